@@ -1,0 +1,289 @@
+"""Acceptance rules and the KV commit.
+
+The stochastic rule is tested for losslessness statistically: the law of the
+first L emitted tokens (continued by plain sampling when a step emits fewer)
+must equal the target model's autoregressive law. The same harness must reject
+deliberately wrong rules, so it is known to have the power to fail.
+"""
+
+import itertools
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy import stats
+
+from tests.unit.treegen import random_tree_batch, tree_batches
+from vllm_treespec.tree import (
+    TreeBatch,
+    apply_compaction,
+    compaction_plan,
+    greedy_accept,
+    stochastic_accept,
+)
+
+
+def node_paths(tree, b):
+    """token path (excluding the root) of every valid node of request b."""
+    out = []
+    for i in range(int(tree.num_nodes[b]) + 1):
+        d = int(tree.depth[b, i])
+        out.append(tuple(tree.token[b, tree.ancestors[b, i, 1: d + 1]].tolist()))
+    return out
+
+
+# ---------------------------------------------------------------- greedy
+@given(tree_batches(max_nodes=12, vocab=4, max_children=3), st.integers(0, 2**31))
+def test_greedy_picks_the_longest_matching_path(tree, seed):
+    gen = torch.Generator().manual_seed(seed)
+    argmax = torch.randint(0, 4, (tree.batch_size, tree.tree_size), generator=gen)
+    acc = greedy_accept(tree, argmax)
+    for b in range(tree.batch_size):
+        n = int(tree.num_nodes[b]) + 1
+        par, tok = tree.parent[b].tolist(), tree.token[b].tolist()
+
+        def ok(i):
+            while i != 0:
+                if tok[i] != int(argmax[b, par[i]]):
+                    return False
+                i = par[i]
+            return True
+
+        best = max((i for i in range(n) if ok(i)), key=lambda i: int(tree.depth[b, i]))
+        a = int(tree.depth[b, best])
+        assert int(acc.num_accepted[b]) == a
+        assert int(acc.last_node[b]) == best
+        path = tree.ancestors[b, best, : a + 1].tolist()
+        assert acc.path[b, : a + 1].tolist() == path
+        expect = [tok[i] for i in path[1:]] + [int(argmax[b, best])]
+        assert acc.tokens[b, : a + 1].tolist() == expect
+        assert (acc.tokens[b, a + 1:] == -1).all()
+        assert int(acc.bonus[b]) == int(argmax[b, best])
+
+
+@given(tree_batches(max_nodes=10, vocab=5, max_children=3), st.integers(0, 2**31))
+def test_stochastic_with_one_hot_targets_equals_greedy(tree, seed):
+    gen = torch.Generator().manual_seed(seed)
+    argmax = torch.randint(0, 5, (tree.batch_size, tree.tree_size), generator=gen)
+    probs = torch.nn.functional.one_hot(argmax, 5).float()
+    g, s = greedy_accept(tree, argmax), stochastic_accept(tree, probs, generator=gen)
+    assert torch.equal(g.tokens, s.tokens) and torch.equal(g.path, s.path)
+
+
+def test_zero_probability_draft_is_never_accepted_even_at_u_zero():
+    # Root with children 2 (p=0) then 1 (p=0); target mass entirely on token 0.
+    tree = TreeBatch.from_parents([[0, 2, 1]], [[0, 0, 0]], tree_size=3)
+    probs = torch.tensor([[[1.0, 0.0, 0.0]] * 3])
+    acc = stochastic_accept(tree, probs, uniforms=torch.zeros(1, 1, 2),
+                            noise=torch.ones(1, 3))
+    assert acc.tokens[0].tolist() == [0, -1]
+
+
+def test_rejected_children_are_removed_from_the_residual():
+    # Children 0 and 1 both rejected (u ~ 1): the bonus must be token 2 even though
+    # the noise favours token 0.
+    tree = TreeBatch.from_parents([[5, 0, 1]], [[0, 0, 0]], tree_size=3)
+    probs = torch.tensor([[[0.5, 0.3, 0.2, 0.0, 0.0, 0.0]] * 3])
+    acc = stochastic_accept(tree, probs, uniforms=torch.full((1, 1, 2), 0.999999),
+                            noise=torch.tensor([[1e-6, 1e-6, 1.0, 1.0, 1.0, 1.0]]))
+    assert acc.tokens[0].tolist() == [2, -1]
+
+
+# ---------------------------------------------------------------- lossless
+V, L = 4, 3
+
+
+def make_target(gen):
+    """p(. | context) for every context of length < L; some exact zeros."""
+    table = {}
+    for n in range(L):
+        for ctx in itertools.product(range(V), repeat=n):
+            logits = torch.randn(V, generator=gen) * 1.5
+            p = logits.softmax(-1)
+            if torch.rand((), generator=gen) < 0.4:
+                p[torch.randint(0, V, (), generator=gen)] = 0.0
+            table[ctx] = p / p.sum()
+    return table
+
+
+def target_probs(tree, table):
+    T = tree.tree_size
+    uniform = torch.full((V,), 1.0 / V)
+    probs = torch.empty(1, T, V)
+    for i, path in enumerate(node_paths(tree, 0)):
+        probs[0, i] = table.get(path, uniform)
+    probs[0, len(node_paths(tree, 0)):] = uniform
+    return probs
+
+
+def exact_law(table):
+    law = {}
+    for seq in itertools.product(range(V), repeat=L):
+        p = 1.0
+        for k in range(L):
+            p *= float(table[seq[:k]][seq[k]])
+        law[seq] = p
+    return law
+
+
+def chi2_pvalue(samples, law):
+    n = len(samples)
+    counts = {seq: 0 for seq in law}
+    for s in samples:
+        counts[s] += 1
+    assert all(law[s] > 0 or c == 0 for s, c in counts.items()), "impossible sequence"
+    big = [s for s in law if law[s] * n >= 5]
+    small = [s for s in law if 0 < law[s] * n < 5]
+    obs = [counts[s] for s in big] + ([sum(counts[s] for s in small)] if small else [])
+    exp = [law[s] * n for s in big] + ([sum(law[s] * n for s in small)] if small else [])
+    scale = n / sum(exp)  # the law's float32 products sum to 1 only approximately
+    return stats.chisquare(obs, [e * scale for e in exp]).pvalue
+
+
+def complete(prefix, table, rng):
+    """Continue a short emission by plain sampling from the target."""
+    seq = list(prefix[:L])
+    while len(seq) < L:
+        p = table[tuple(seq)]
+        seq.append(rng.choices(range(V), weights=p.tolist())[0])
+    return tuple(seq)
+
+
+def vectorised_rule(tree, probs, n, gen):
+    big = TreeBatch(token=tree.token.expand(n, -1), parent=tree.parent.expand(n, -1),
+                    depth=tree.depth.expand(n, -1), num_nodes=tree.num_nodes.expand(n),
+                    max_depth=tree.max_depth, max_children=tree.max_children)
+    acc = stochastic_accept(big, probs.expand(n, -1, -1), generator=gen)
+    return [row[row >= 0].tolist() for row in acc.tokens]
+
+
+def loop_rule(renormalise=True, remove_rejected=True):
+    """Per-row reference walk; the flags switch off parts of the correct rule."""
+    def rule(tree, probs, n, gen):
+        rng = random.Random(int(torch.randint(0, 2**31, (), generator=gen)))
+        kids = {}
+        for i in range(1, int(tree.num_nodes[0]) + 1):
+            kids.setdefault(int(tree.parent[0, i]), []).append(i)
+        out = []
+        for _ in range(n):
+            cur, emitted = 0, []
+            while True:
+                p = probs[0, cur].clone()
+                moved = False
+                for c in kids.get(cur, []):
+                    x = int(tree.token[0, c])
+                    q = p / p.sum() if renormalise else probs[0, cur]
+                    if rng.random() < float(q[x]):
+                        emitted.append(x)
+                        cur, moved = c, True
+                        break
+                    if remove_rejected:
+                        p[x] = 0.0
+                if not moved:
+                    emitted.append(rng.choices(range(V), weights=p.tolist())[0])
+                    break
+            out.append(emitted)
+        return out
+    return rule
+
+
+def run_harness(rule, tree_seed, n=20000):
+    gen = torch.Generator().manual_seed(tree_seed)
+    rng = random.Random(tree_seed)
+    table = make_target(gen)
+    tree = random_tree_batch(rng, 1, max_nodes=10, vocab=V, max_children=3,
+                             exact_nodes=True)
+    # Make the draft tokens plausible: the root's children are the target's favourites.
+    probs = target_probs(tree, table)
+    samples = [complete(e, table, rng) for e in rule(tree, probs, n, gen)]
+    return chi2_pvalue(samples, exact_law(table))
+
+
+TREE_SEEDS = [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("seed", TREE_SEEDS)
+def test_stochastic_acceptance_is_lossless(seed):
+    assert run_harness(vectorised_rule, seed) > 1e-4
+
+
+def test_reference_walk_agrees_with_the_target_law():
+    # The slow per-row walk is the textbook rule; it must pass the same harness.
+    assert run_harness(loop_rule(), TREE_SEEDS[0], n=20000) > 1e-4
+
+
+@pytest.mark.parametrize("wrong", [
+    loop_rule(renormalise=False),      # accept x_j w.p. p(x_j), no renormalising
+    loop_rule(remove_rejected=False),  # bonus from p, rejected children kept
+])
+def test_harness_rejects_wrong_rules(wrong):
+    # Over several trees at least one must expose the bias decisively.
+    pvals = [run_harness(wrong, seed) for seed in TREE_SEEDS[:3]]
+    assert min(pvals) < 1e-6, pvals
+
+
+# ---------------------------------------------------------------- commit
+def kv_of(path_tokens, position, dim=4):
+    """KV a model would produce for the last token of ``path_tokens`` at ``position``."""
+    g = torch.Generator().manual_seed(hash((tuple(path_tokens), position)) % (2**31))
+    return torch.randn(dim, generator=g)
+
+
+@given(tree_batches(max_nodes=10, vocab=4, max_children=3), st.integers(0, 2**31),
+       st.sampled_from(["plain", "cpu", "ascend"]))
+def test_commit_equals_sequential_kv(tree, seed, layout):
+    gen = torch.Generator().manual_seed(seed)
+    B, T, bs, dim = tree.batch_size, tree.tree_size, 4, 4
+    prefix = torch.randint(0, 9, (B,), generator=gen)
+    max_blocks = (int(prefix.max()) + T + bs - 1) // bs
+    num_blocks = B * max_blocks + 3
+    block_table = torch.randperm(num_blocks, generator=gen)[: B * max_blocks].view(B, -1)
+    cache = torch.zeros(num_blocks, bs, dim)  # canonical [block, slot, dim]
+    ctx_tokens = [[7] * int(prefix[b]) for b in range(B)]
+
+    def write(b, pos, value):
+        cache[block_table[b, pos // bs], pos % bs] = value
+
+    def read(b, pos):
+        return cache[block_table[b, pos // bs], pos % bs]
+
+    # Verify step: node i's KV at linear slot prefix+i, rotated at prefix+depth(i).
+    for b in range(B):
+        for i, path in enumerate(node_paths(tree, b)):
+            toks = ctx_tokens[b] + [int(tree.token[b, 0])] + list(path)
+            write(b, int(prefix[b]) + i, kv_of(toks, int(prefix[b]) + len(path)))
+    argmax = torch.randint(0, 4, (B, T), generator=gen)
+    acc = greedy_accept(tree, argmax)
+    plan = compaction_plan(acc)
+    src, dst = plan.slots(prefix, block_table, bs)
+    if layout == "plain":
+        apply_compaction(cache, src, dst)
+    elif layout == "cpu":  # vLLM CPU: [blocks, kv_heads, block_size, 2*head]
+        view = cache.unsqueeze(1).clone()
+        apply_compaction(view, src, dst, block_dim=0, slot_dim=2)
+        cache.copy_(view.squeeze(1))
+    else:  # Ascend: [2, blocks, block_size, kv_heads, head]
+        view = torch.stack([cache, -cache]).unsqueeze(3).clone()
+        apply_compaction(view, src, dst, block_dim=1, slot_dim=2)
+        assert torch.equal(view[1], -view[0])
+        cache.copy_(view[0].squeeze(2))
+    for b in range(B):
+        a = int(acc.num_accepted[b])
+        accepted = acc.tokens[b, :a].tolist()
+        assert bool(plan.needs_copy[b]) == (acc.path[b, 1: a + 1].tolist()
+                                            != list(range(1, a + 1)))
+        for k in range(a + 1):  # root + accepted tokens, as if decoded one by one
+            toks = ctx_tokens[b] + [int(tree.token[b, 0])] + accepted[:k]
+            assert torch.equal(read(b, int(prefix[b]) + k),
+                               kv_of(toks, int(prefix[b]) + k)), (b, k)
+
+
+def test_plan_is_empty_when_the_path_is_contiguous():
+    tree = TreeBatch.from_parents([[0, 1, 2, 3]], [[0, 0, 1, 2]], tree_size=4)  # chain
+    acc = greedy_accept(tree, torch.tensor([[1, 2, 3, 0]]))
+    plan = compaction_plan(acc)
+    assert int(acc.num_accepted[0]) == 3 and not bool(plan.needs_copy[0])
+    src, dst = plan.slots(torch.tensor([5]), torch.arange(4).view(1, 4), 4)
+    assert src.numel() == 0 and dst.numel() == 0

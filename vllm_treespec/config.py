@@ -1,0 +1,183 @@
+"""User-facing knobs of the ``eagle3_tree`` speculative method.
+
+Pure Python (no vLLM import): the vLLM glue hands us the tree keys of
+``--speculative-config`` and we validate them here, at startup. Every error
+names the key, the value it got and what is allowed, so that a bad flag fails
+before a model is loaded rather than mid-serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# Ranges. The node budget bounds the verify query per request (1 + num_nodes
+# tokens); depth bounds the number of drafter forwards per step.
+NUM_NODES_RANGE = (1, 256)
+DEPTH_RANGE = (1, 32)
+TOP_K_RANGE = (1, 64)
+EXEC_MODES = ("reference", "fused")
+
+
+class TreeSpecConfigError(ValueError):
+    """A tree speculation setting is invalid (raised at startup)."""
+
+
+def _fail(key: str, value: Any, allowed: str) -> TreeSpecConfigError:
+    return TreeSpecConfigError(
+        f"eagle3_tree: speculative-config key {key!r} has invalid value {value!r}; "
+        f"allowed: {allowed}"
+    )
+
+
+def _int_in(key: str, value: Any, lo: int, hi: int) -> int:
+    # bool is an int subclass; `"depth": true` is a typo, not a depth of 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
+    if not lo <= value <= hi:
+        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(key, value, "true or false")
+    return value
+
+
+def validate_choices(choices: Any, key: str = "choices") -> tuple[tuple[int, ...], ...]:
+    """Validate a static tree given as Medusa-style choices.
+
+    Each choice is the path of child ranks from the root, e.g. ``[0, 1]`` is the
+    second-best child of the best child of the root. The set must be closed under
+    prefixes (every node's parent is present), without duplicates.
+    """
+    if not isinstance(choices, Sequence) or isinstance(choices, (str, bytes)) or not choices:
+        raise _fail(key, choices, "a non-empty list of paths such as [[0], [1], [0, 0]]")
+    paths: list[tuple[int, ...]] = []
+    for i, path in enumerate(choices):
+        if not isinstance(path, Sequence) or isinstance(path, (str, bytes)) or not path:
+            raise _fail(f"{key}[{i}]", path, "a non-empty list of child ranks, e.g. [0, 1]")
+        for r in path:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < TOP_K_RANGE[1]:
+                raise _fail(f"{key}[{i}]", list(path),
+                            f"child ranks are integers in [0, {TOP_K_RANGE[1] - 1}]")
+        if len(path) > DEPTH_RANGE[1]:
+            raise _fail(f"{key}[{i}]", list(path), f"paths of length <= {DEPTH_RANGE[1]}")
+        paths.append(tuple(int(r) for r in path))
+    seen = set()
+    for i, path in enumerate(paths):
+        if path in seen:
+            raise _fail(f"{key}[{i}]", list(path), "each path at most once")
+        seen.add(path)
+    for i, path in enumerate(paths):
+        if len(path) > 1 and path[:-1] not in seen:
+            raise _fail(f"{key}[{i}]", list(path),
+                        f"paths whose parent path {list(path[:-1])} is also listed")
+    if len(paths) > NUM_NODES_RANGE[1]:
+        raise _fail(key, f"<{len(paths)} paths>", f"at most {NUM_NODES_RANGE[1]} paths")
+    return tuple(paths)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpecConfig:
+    """Validated settings of the ``eagle3_tree`` method.
+
+    num_nodes: node budget M — draft tokens verified per request per step
+        (the verify query is 1 + M tokens: the last accepted token + M nodes).
+    depth: maximum tree depth D (number of drafter forwards per step).
+    top_k: children expanded per frontier node, and frontier width, per depth.
+    choices: optional static tree (Medusa-style paths of child ranks); when set,
+        the topology is fixed and num_nodes/depth follow from it.
+    exec_mode: ``fused`` (device-optimised attention) or ``reference`` (eager,
+        debuggable tree attention with invariant checks on).
+    validate_invariants: check every tree and its metadata each step and dump
+        the failing batch (slow; for debugging).
+    """
+
+    num_nodes: int = 32
+    depth: int = 6
+    top_k: int = 8
+    choices: tuple[tuple[int, ...], ...] | None = None
+    exec_mode: str = "fused"
+    validate_invariants: bool = False
+
+    # --- derived -------------------------------------------------------
+    @property
+    def is_static(self) -> bool:
+        return self.choices is not None
+
+    @property
+    def max_children(self) -> int:
+        """Upper bound on the children of any node (width of child tables)."""
+        if self.choices is None:
+            return self.top_k
+        return max(p[-1] for p in self.choices) + 1
+
+    @property
+    def tree_size(self) -> int:
+        """T = 1 + M: query tokens of one request in a verify step."""
+        return 1 + self.num_nodes
+
+    # --- construction --------------------------------------------------
+    def __post_init__(self) -> None:
+        # Validation lives here so that direct construction is checked too.
+        if self.choices is not None:
+            paths = validate_choices(self.choices)
+            object.__setattr__(self, "choices", paths)
+            for key, implied in (("num_nodes", len(paths)),
+                                 ("depth", max(len(p) for p in paths))):
+                if getattr(self, key) != implied:
+                    raise _fail(key, getattr(self, key),
+                                f"{implied} (implied by 'choices'), or leave it out")
+            _int_in("top_k", self.top_k, max(p[-1] for p in paths) + 1, TOP_K_RANGE[1])
+        else:
+            _int_in("num_nodes", self.num_nodes, *NUM_NODES_RANGE)
+            _int_in("depth", self.depth, *DEPTH_RANGE)
+            _int_in("top_k", self.top_k, *TOP_K_RANGE)
+            if self.depth > self.num_nodes:
+                raise _fail("depth", self.depth,
+                            f"an integer in [1, num_nodes={self.num_nodes}] (a tree of "
+                            f"{self.num_nodes} nodes is at most {self.num_nodes} deep)")
+            if self.num_nodes > self.max_candidates():
+                raise _fail("num_nodes", self.num_nodes,
+                            f"an integer in [1, {self.max_candidates()}]: a tree of depth "
+                            f"{self.depth} with top_k {self.top_k} holds at most "
+                            f"{self.max_candidates()} candidates")
+        if self.exec_mode not in EXEC_MODES:
+            raise _fail("exec_mode", self.exec_mode, " or ".join(repr(m) for m in EXEC_MODES))
+        _bool("validate_invariants", self.validate_invariants)
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "TreeSpecConfig":
+        """Build from the tree keys of ``--speculative-config`` (unknown keys are errors)."""
+        raw = dict(raw or {})
+        unknown = sorted(set(raw) - set(cls.keys()))
+        if unknown:
+            raise TreeSpecConfigError(
+                f"eagle3_tree: unknown speculative-config key(s) {unknown}; "
+                f"tree keys are {list(cls.keys())}"
+            )
+        if raw.get("choices") is not None:
+            # A static tree implies its size, depth and minimum width.
+            paths = validate_choices(raw["choices"])
+            raw.setdefault("num_nodes", len(paths))
+            raw.setdefault("depth", max(len(p) for p in paths))
+            raw.setdefault("top_k", max(p[-1] for p in paths) + 1)
+            raw["choices"] = paths
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if self.choices is not None:
+            out["choices"] = [list(p) for p in self.choices]
+        return out
+
+    def max_candidates(self) -> int:
+        """Candidates a dynamic tree ranks: K at depth 1, K*K at each deeper level."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k

@@ -1,0 +1,36 @@
+"""Pure tensor tree algorithms (no vLLM import): shared by every device path."""
+
+from vllm_treespec.tree.accept import (
+    PAD_TOKEN_ID,
+    Acceptance,
+    CompactionPlan,
+    apply_compaction,
+    compaction_plan,
+    greedy_accept,
+    stochastic_accept,
+)
+from vllm_treespec.tree.build import (
+    DynamicTreeBuilder,
+    Level,
+    StaticTopology,
+    StaticTreeBuilder,
+)
+from vllm_treespec.tree.mask import (
+    additive_mask,
+    ancestor_bitmask,
+    bitmask_to_mask,
+    dense_mask,
+    leaf_paths,
+    linear_positions,
+    tree_mask,
+    tree_positions,
+)
+from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
+
+__all__ = [
+    "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level",
+    "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
+    "additive_mask", "ancestor_bitmask", "apply_compaction", "bitmask_to_mask",
+    "compaction_plan", "dense_mask", "greedy_accept", "leaf_paths", "linear_positions",
+    "stochastic_accept", "tree_mask", "tree_positions",
+]

@@ -1,0 +1,216 @@
+"""Accepting a verified tree, and the KV compaction plan that commits it.
+
+Inputs are the target model's outputs at every node of every tree (node i's
+output predicts the token *after* node i). Two rules, both batched and free of
+per-node Python loops (the stochastic walk loops over depth only):
+
+* greedy (temperature 0): the longest root-to-node path whose every token equals
+  the target's argmax at its parent; the bonus token is the argmax at the deepest
+  accepted node. Emits exactly what plain greedy decoding would.
+
+* stochastic (temperature > 0), lossless multi-draft rejection sampling for
+  deterministic top-k drafts (the draft "distribution" of each child is a point
+  mass). Walk from the root; at node n with target distribution p and children
+  x_1..x_m (distinct tokens, best first), accept x_j with probability
+  p_j(x_j) where p_1 = p and p_{j+1} = p_j with x_j removed and renormalised —
+  i.e. with probability p(x_j) / (1 - p(x_1) - ... - p(x_{j-1})). On acceptance
+  move to x_j and repeat; if every child is rejected (or n is a leaf) sample the
+  bonus token from p with the children removed. Every emitted token is then
+  distributed exactly as the target model's next-token distribution.
+
+The accepted path's nodes sit at KV slots ``prefix + idx_k``; the commit copies
+them to ``prefix + k`` so the cache looks as if the accepted tokens had been
+decoded one by one (idx_k >= k, and nothing to do when idx_k == k for all k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_treespec.tree.tensorize import TreeBatch
+
+# Token id used to pad emitted-token rows (vLLM's placeholder convention). It is
+# a value, never an index: acceptance never gathers with it.
+PAD_TOKEN_ID = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Acceptance:
+    """Result of accepting a batch of trees.
+
+    path:         [B, D+1] accepted node ids from the root; entries past the
+                  deepest accepted node repeat it (gather-safe)
+    num_accepted: [B] accepted draft nodes a (0..D)
+    tokens:       [B, D+1] emitted tokens: the a accepted draft tokens, then the
+                  bonus token, then PAD_TOKEN_ID
+    """
+
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        return self.num_accepted + 1
+
+    @property
+    def last_node(self) -> torch.Tensor:
+        """[B] deepest accepted node (whose output produced the bonus token)."""
+        return torch.gather(self.path, 1, self.num_accepted.unsqueeze(1)).squeeze(1)
+
+    @property
+    def bonus(self) -> torch.Tensor:
+        return torch.gather(self.tokens, 1, self.num_accepted.unsqueeze(1)).squeeze(1)
+
+    def where(self, take_self: torch.Tensor, other: "Acceptance") -> "Acceptance":
+        """Per-request choice between two results (e.g. greedy vs stochastic rows)."""
+        m = take_self.unsqueeze(1)
+        return Acceptance(path=torch.where(m, self.path, other.path),
+                          num_accepted=torch.where(take_self, self.num_accepted,
+                                                   other.num_accepted),
+                          tokens=torch.where(m, self.tokens, other.tokens))
+
+
+def _emitted_tokens(tree: TreeBatch, path: torch.Tensor, num_accepted: torch.Tensor,
+                    bonus: torch.Tensor) -> torch.Tensor:
+    D1 = path.shape[1]
+    tokens = torch.gather(tree.token, 1, path)  # token of path[d] at column d
+    # Column d-1 holds the d-th accepted token; column a holds the bonus.
+    out = torch.roll(tokens, shifts=-1, dims=1)
+    k = torch.arange(D1, device=path.device).unsqueeze(0)
+    a = num_accepted.unsqueeze(1)
+    out = torch.where(k == a, bonus.unsqueeze(1), out)
+    return torch.where(k > a, torch.full_like(out, PAD_TOKEN_ID), out)
+
+
+def greedy_accept(tree: TreeBatch, target_argmax: torch.Tensor) -> Acceptance:
+    """Longest matching path. target_argmax: [B, T] target argmax at each node."""
+    parent_pred = torch.gather(target_argmax, 1, tree.parent)
+    match = (tree.token == parent_pred) & tree.valid
+    match[:, 0] = True
+    B, T, D1 = tree.ancestors.shape
+    path_ok = torch.gather(match, 1, tree.ancestors.reshape(B, T * D1)).view(B, T, D1).all(-1)
+    # Deepest fully matching node (siblings carry distinct tokens, so it is unique).
+    best = torch.argmax(torch.where(path_ok, tree.depth, -1), dim=1)
+    path = torch.gather(tree.ancestors, 1,
+                        best.view(B, 1, 1).expand(B, 1, D1)).squeeze(1)
+    num_accepted = torch.gather(tree.depth, 1, best.unsqueeze(1)).squeeze(1)
+    bonus = torch.gather(target_argmax, 1, best.unsqueeze(1)).squeeze(1)
+    return Acceptance(path=path, num_accepted=num_accepted,
+                      tokens=_emitted_tokens(tree, path, num_accepted, bonus))
+
+
+def stochastic_accept(tree: TreeBatch, target_probs: torch.Tensor,
+                      uniforms: torch.Tensor | None = None,
+                      noise: torch.Tensor | None = None,
+                      generator: torch.Generator | None = None) -> Acceptance:
+    """Lossless multi-draft rejection sampling (see module docstring).
+
+    target_probs: [B, T, V] target next-token distribution at each node (after the
+        request's temperature / top-k / top-p). Rows need not be normalised.
+    uniforms: [B, D, C] U[0,1) draws, one per (depth, child slot); drawn if None.
+    noise: [B, V] Exp(1) draws for the final residual sample (exponential race:
+        argmax(r / E) is distributed as r / sum(r)); drawn if None.
+    """
+    B, T, V = target_probs.shape
+    D, C = tree.max_depth, tree.max_children
+    dev = target_probs.device
+    if uniforms is None:
+        uniforms = torch.rand(B, D, C, device=dev, generator=generator)
+    if noise is None:
+        noise = torch.empty(B, V, device=dev).exponential_(generator=generator)
+    probs = target_probs.float()
+    rows = torch.arange(B, device=dev)
+    slots = torch.arange(C, device=dev).unsqueeze(0)
+    children, num_children = tree.children, tree.num_children
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    walking = torch.ones(B, dtype=torch.bool, device=dev)
+    path = [cur]
+    for d in range(D):
+        kids = children[rows, cur]                                   # [B, C]
+        kid_ok = slots < num_children[rows, cur].unsqueeze(1)
+        kid_tok = torch.gather(tree.token, 1, kids)
+        p_kid = torch.where(kid_ok, torch.gather(probs[rows, cur], 1, kid_tok), 0.0)
+        mass_before = torch.cumsum(p_kid, dim=1) - p_kid
+        # Accept x_j w.p. p(x_j) / (1 - mass of earlier siblings); written as a
+        # product so a residual of 0 never divides. p(x_j) > 0 is required: a
+        # zero-probability draft is never accepted, whatever the uniform draw.
+        accept = (uniforms[:, d] * (1.0 - mass_before) < p_kid) & (p_kid > 0) & kid_ok
+        accept &= walking.unsqueeze(1)
+        took = accept.any(dim=1)
+        first = torch.argmax(accept.to(torch.int8), dim=1)
+        cur = torch.where(took, torch.gather(kids, 1, first.unsqueeze(1)).squeeze(1), cur)
+        walking &= took
+        path.append(cur)
+    # Residual at the terminal node: its children (all rejected, or none) removed.
+    p_cur = probs[rows, cur]
+    kids = children[rows, cur]
+    kid_ok = slots < num_children[rows, cur].unsqueeze(1)
+    removed = torch.zeros_like(p_cur).scatter_add_(
+        1, torch.gather(tree.token, 1, kids), kid_ok.float())
+    residual = torch.where(removed > 0, 0.0, p_cur).clamp_min(0.0)
+    # The residual only vanishes with probability 0 (rounding); fall back to p.
+    residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, p_cur)
+    bonus = torch.argmax(residual / noise, dim=1)
+    path_t = torch.stack(path, dim=1)
+    num_accepted = torch.gather(tree.depth, 1, cur.unsqueeze(1)).squeeze(1)
+    return Acceptance(path=path_t, num_accepted=num_accepted,
+                      tokens=_emitted_tokens(tree, path_t, num_accepted, bonus))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactionPlan:
+    """KV copies that commit an accepted path, relative to each tree's root slot.
+
+    src, dst: [B, D] slot offsets; copy ``prefix + src[b, k] -> prefix + dst[b, k]``.
+        dst is 1..D; entries past the accepted length are identity copies (src ==
+        dst), so the plan has a static shape and needs no masking.
+    needs_copy: [B] bool, False when the accepted path already lies contiguously.
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    needs_copy: torch.Tensor
+
+    def slots(self, prefix_len: torch.Tensor, block_table: torch.Tensor,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flattened physical (block, offset) pairs of the real copies only.
+
+        Returns ``(src, dst)`` each [N, 2] int64 (block id, offset in block).
+        Host-synchronising (variable N): fine on the CPU, avoid in graphs.
+        """
+        moves = self.src != self.dst
+        b, _ = moves.nonzero(as_tuple=True)
+        pos_src = prefix_len.to(self.src)[b] + self.src[moves]
+        pos_dst = prefix_len.to(self.src)[b] + self.dst[moves]
+
+        def physical(pos: torch.Tensor) -> torch.Tensor:
+            blk = block_table[b, torch.div(pos, block_size, rounding_mode="floor")]
+            return torch.stack([blk.long(), pos % block_size], dim=1)
+
+        return physical(pos_src), physical(pos_dst)
+
+
+def compaction_plan(acc: Acceptance) -> CompactionPlan:
+    D = acc.path.shape[1] - 1
+    k = torch.arange(1, D + 1, device=acc.path.device).unsqueeze(0)
+    dst = k.expand(acc.path.shape[0], D)
+    src = torch.where(k <= acc.num_accepted.unsqueeze(1), acc.path[:, 1:], dst)
+    return CompactionPlan(src=src, dst=dst, needs_copy=(src != dst).any(dim=1))
+
+
+def apply_compaction(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                     block_dim: int = 0, slot_dim: int = 1) -> None:
+    """Copy KV entries in place: ``cache[dst] = cache[src]`` for (block, offset) pairs.
+
+    ``cache`` is any paged layout; ``block_dim``/``slot_dim`` say where the block
+    index and the in-block offset live (CPU vLLM: 0 and 2; Ascend: 1 and 2 of a
+    ``(2, blocks, block_size, heads, dim)`` cache). All sources are read before any
+    destination is written, so overlapping plans are safe.
+    """
+    if src.numel() == 0:
+        return
+    view = cache.movedim((block_dim, slot_dim), (0, 1))
+    view[dst[:, 0], dst[:, 1]] = view[src[:, 0], src[:, 1]]

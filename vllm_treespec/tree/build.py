@@ -1,0 +1,309 @@
+"""Growing draft trees depth by depth, batched over requests.
+
+The drafter and the builder alternate: the drafter scores the current *frontier*
+(the nodes it just forwarded), the builder picks the next frontier, and so on for
+``depth`` levels; ``finish`` turns everything into a :class:`TreeBatch`.
+
+Dynamic trees (EAGLE-2/3): the root expands its top-k tokens; at every deeper
+level each of the k frontier nodes proposes its own top-k children, scored by
+cumulative draft log-probability, and the best k of those k*k candidates form the
+next frontier. At the end the best ``num_nodes`` of *all* candidates are kept and
+laid out in BFS order.
+
+Static trees (Medusa/OpenPangu style) fix the topology up front from a list of
+child-rank paths; the drafter only fills in tokens.
+
+Both builders share one interface, so the proposer does not care which it has:
+
+    level = builder.first_level(root_logprobs)          # [B, V]
+    while not builder.done:
+        frontier_logprobs = drafter(level.tokens, level.parent_slot, ...)
+        level = builder.next_level(frontier_logprobs)   # [B, F, V]
+    tree = builder.finish(root_tokens)
+
+Everything is tensor code without host synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from vllm_treespec.tree.tensorize import TreeBatch
+
+# Draft log-probabilities below this are treated as this value. Keeps sums finite
+# (no -inf - -inf = nan) while ranking such tokens last.
+MIN_LOGPROB = -1.0e4
+
+
+def top_k_sanitized(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k over the draft vocabulary, with NaN / -inf scores made finite.
+
+    Only the k winners are sanitised (cheap): NaN sorts first in ``topk`` but then
+    scores MIN_LOGPROB, so a broken draft row yields unlikely, never invalid, nodes.
+    """
+    logp, tok = torch.topk(logprobs, k, dim=-1)
+    logp = torch.nan_to_num(logp.float(), nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
+    return logp.clamp(MIN_LOGPROB, 0.0), tok
+
+
+def strictly_below(parent_score: torch.Tensor, child_score: torch.Tensor) -> torch.Tensor:
+    """Clamp a child's cumulative score strictly below its parent's.
+
+    Cumulative log-probabilities never increase along a path, but they can tie
+    (a draft probability that rounds to 1). With a strict order, the top-n of all
+    candidates is ancestor-closed whatever order ``topk`` breaks ties in: a
+    selected child's parent scores strictly higher, so it is selected too.
+    """
+    return torch.minimum(child_score, torch.nextafter(parent_score,
+                                                      torch.full_like(parent_score,
+                                                                      float("-inf"))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """Nodes just added, which the drafter forwards next.
+
+    tokens:      [B, F] token ids
+    parent_slot: [B, F] index of each node's parent in the *previous* level's
+                 frontier (0 for children of the root at the first level)
+    depth:       depth of these nodes (1 for the first level)
+    node_id:     [B, F] candidate ids (stable ids used by ``finish``)
+    """
+
+    tokens: torch.Tensor
+    parent_slot: torch.Tensor
+    depth: int
+    node_id: torch.Tensor
+
+
+class DynamicTreeBuilder:
+    """EAGLE-2/3 dynamic tree: expand top-k per level, rerank to the node budget.
+
+    Candidate ids: 0 is the root; level 1 holds ids 1..k; level d >= 2 holds k*k
+    ids, the children of frontier slot f being ``f*k .. f*k+k-1`` within the level.
+    Ids therefore grow with depth, which gives BFS order for free.
+    """
+
+    def __init__(self, batch_size: int, top_k: int, depth: int, num_nodes: int,
+                 device: torch.device | str = "cpu", budget: torch.Tensor | None = None):
+        self.B, self.k, self.depth, self.M = batch_size, top_k, depth, num_nodes
+        self.device = torch.device(device)
+        n_cand = 1 + top_k + (depth - 1) * top_k * top_k
+        if num_nodes > n_cand - 1:
+            raise ValueError(f"num_nodes={num_nodes} exceeds the {n_cand - 1} candidates of "
+                             f"a depth-{depth}, top_k-{top_k} tree")
+        self.budget = (torch.full((batch_size,), num_nodes, dtype=torch.long,
+                                  device=self.device)
+                       if budget is None else budget.to(self.device, torch.long).clamp(0, num_nodes))
+        self.tokens = torch.zeros(batch_size, n_cand, dtype=torch.long, device=self.device)
+        self.parents = torch.zeros_like(self.tokens)
+        self.depths = torch.zeros_like(self.tokens)
+        self.scores = torch.full((batch_size, n_cand), float("-inf"), device=self.device)
+        self.scores[:, 0] = 0.0
+        self._frontier_id: torch.Tensor | None = None  # [B, k] candidate ids
+        self._frontier_score: torch.Tensor | None = None
+        self._level = 0
+        self._next_free = 1
+
+    @property
+    def done(self) -> bool:
+        return self._level >= self.depth
+
+    def first_level(self, root_logprobs: torch.Tensor) -> Level:
+        """Root's top-k children. root_logprobs: [B, V] draft log-probs after the root."""
+        assert self._level == 0
+        logp, tok = top_k_sanitized(root_logprobs, self.k)
+        score = strictly_below(torch.zeros_like(logp), logp)
+        ids = torch.arange(1, 1 + self.k, device=self.device).expand(self.B, -1)
+        self.tokens[:, 1:1 + self.k] = tok
+        self.scores[:, 1:1 + self.k] = score
+        self.depths[:, 1:1 + self.k] = 1
+        self._frontier_id, self._frontier_score = ids, score
+        self._level, self._next_free = 1, 1 + self.k
+        return Level(tokens=tok, parent_slot=torch.zeros_like(tok), depth=1, node_id=ids)
+
+    def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
+        """Expand the frontier. frontier_logprobs: [B, k, V] draft log-probs after each
+        frontier node (in the order of the previous Level)."""
+        assert 1 <= self._level < self.depth and self._frontier_id is not None
+        k = self.k
+        logp, tok = top_k_sanitized(frontier_logprobs, k)  # [B, k, k]
+        parent_score = self._frontier_score.unsqueeze(-1).expand(-1, -1, k)
+        cum = strictly_below(parent_score, parent_score + logp).reshape(self.B, k * k)
+        start = self._next_free
+        self.tokens[:, start:start + k * k] = tok.reshape(self.B, k * k)
+        self.scores[:, start:start + k * k] = cum
+        self.depths[:, start:start + k * k] = self._level + 1
+        self.parents[:, start:start + k * k] = (
+            self._frontier_id.unsqueeze(-1).expand(-1, -1, k).reshape(self.B, k * k))
+        best_score, best = torch.topk(cum, k, dim=-1)  # next frontier among k*k
+        self._frontier_id = start + best
+        self._frontier_score = best_score
+        self._level += 1
+        self._next_free = start + k * k
+        return Level(tokens=torch.gather(tok.reshape(self.B, k * k), 1, best),
+                     parent_slot=torch.div(best, k, rounding_mode="floor"),
+                     depth=self._level, node_id=self._frontier_id)
+
+    def finish(self, root_tokens: torch.Tensor) -> TreeBatch:
+        """Rerank all candidates to each request's budget, in BFS order."""
+        used = self._next_free
+        scores, tokens, parents = (self.scores[:, :used], self.tokens[:, :used],
+                                   self.parents[:, :used])
+        M = min(self.M, used - 1)
+        # Best M draft candidates (root excluded), then keep each request's budget.
+        top_score, top_id = torch.topk(scores[:, 1:], M, dim=-1)
+        top_id = top_id + 1
+        rank = torch.arange(M, device=self.device).unsqueeze(0)
+        budget = self.budget.clamp(max=M)
+        # Sort the kept ids ascending (= BFS); dropped ones sort last.
+        sentinel = torch.full_like(top_id, used)
+        order_key = torch.where(rank < budget.unsqueeze(1), top_id, sentinel)
+        chosen, _ = torch.sort(order_key, dim=-1)
+        kept = chosen < used
+        chosen_safe = torch.where(kept, chosen, torch.zeros_like(chosen))
+        # Candidate id -> node index (root 0 -> 0). The top-n is ancestor-closed.
+        node_of = torch.zeros(self.B, used + 1, dtype=torch.long, device=self.device)
+        node_of.scatter_(1, torch.where(kept, chosen, sentinel),
+                         torch.where(kept, rank + 1, torch.zeros_like(rank)))
+        node_of[:, used] = 0
+        cand_parent = torch.gather(parents, 1, chosen_safe)
+        node_parent = torch.where(kept, torch.gather(node_of, 1, cand_parent),
+                                  torch.zeros_like(cand_parent))
+        node_token = torch.where(kept, torch.gather(tokens, 1, chosen_safe),
+                                 torch.zeros_like(chosen))
+        node_score = torch.where(kept, torch.gather(scores, 1, chosen_safe),
+                                 torch.full_like(top_score, float("-inf")))
+        node_depth = torch.where(kept, torch.gather(self.depths, 1, chosen_safe),
+                                 torch.ones_like(chosen))
+        T = 1 + self.M
+        token = torch.zeros(self.B, T, dtype=torch.long, device=self.device)
+        parent = torch.zeros_like(token)
+        score = torch.full((self.B, T), float("-inf"), device=self.device)
+        token[:, 0] = root_tokens
+        token[:, 1:1 + M] = node_token
+        parent[:, 1:1 + M] = node_parent
+        depth = torch.ones_like(token)
+        depth[:, 0] = 0
+        depth[:, 1:1 + M] = node_depth
+        score[:, 0] = 0.0
+        score[:, 1:1 + M] = node_score
+        return TreeBatch(token=token, parent=parent, depth=depth, num_nodes=budget,
+                         max_depth=self.depth, max_children=self.k, score=score)
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTopology:
+    """A fixed tree from Medusa-style choices, in BFS order (node 0 = root)."""
+
+    parent: tuple[int, ...]   # per node; parent[0] = 0
+    depth: tuple[int, ...]
+    rank: tuple[int, ...]     # child rank (which top-k slot the token comes from)
+    paths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_choices(cls, choices: Sequence[Sequence[int]]) -> "StaticTopology":
+        paths = sorted({tuple(c) for c in choices}, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parent, depth, rank = [0], [0], [0]
+        for p in paths:
+            if p[:-1] not in index:
+                raise ValueError(f"choice {list(p)} has no parent {list(p[:-1])}")
+            index[p] = len(parent)
+            parent.append(index[p[:-1]])
+            depth.append(len(p))
+            rank.append(p[-1])
+        return cls(tuple(parent), tuple(depth), tuple(rank), tuple([()] + paths))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parent) - 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    @property
+    def max_children(self) -> int:
+        return max(self.rank[1:]) + 1
+
+
+class StaticTreeBuilder:
+    """Fills a fixed topology with the drafter's top-ranked tokens.
+
+    The frontier forwarded at each level is the set of nodes at the previous depth
+    that have children (only those need drafter scores).
+    """
+
+    def __init__(self, batch_size: int, topology: StaticTopology,
+                 device: torch.device | str = "cpu", budget: torch.Tensor | None = None):
+        self.B, self.topo = batch_size, topology
+        self.device = torch.device(device)
+        T = topology.num_nodes + 1
+        self.budget = (torch.full((batch_size,), topology.num_nodes, dtype=torch.long,
+                                  device=self.device)
+                       if budget is None
+                       else budget.to(self.device, torch.long).clamp(0, topology.num_nodes))
+        self.token = torch.zeros(batch_size, T, dtype=torch.long, device=self.device)
+        self.score = torch.full((batch_size, T), float("-inf"), device=self.device)
+        self.score[:, 0] = 0.0
+        # Per level d: nodes at depth d, their parents' slots in the level-(d-1)
+        # frontier, their ranks; and the frontier (nodes at depth d with children).
+        D = topology.max_depth
+        self._levels = []
+        has_kids = set(topology.parent[1:])
+        prev_frontier = [0]
+        for d in range(1, D + 1):
+            nodes = [i for i in range(1, T) if topology.depth[i] == d]
+            slot = [prev_frontier.index(topology.parent[i]) for i in nodes]
+            ranks = [topology.rank[i] for i in nodes]
+            frontier = [i for i in nodes if i in has_kids]
+            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)
+            self._levels.append((t(nodes), t(slot), t(ranks), t(frontier),
+                                 t([nodes.index(i) for i in frontier]),
+                                 t([topology.parent[i] for i in nodes]),
+                                 max(ranks) + 1))
+            prev_frontier = frontier
+        self._level = 0
+
+    @property
+    def done(self) -> bool:
+        # The frontier after level d is empty exactly when d is the deepest level.
+        return self._level >= self.topo.max_depth
+
+    def _fill(self, logprobs: torch.Tensor) -> Level:
+        nodes, slot, ranks, frontier, frontier_pos, parent_ids, width = \
+            self._levels[self._level]
+        logp, tok = top_k_sanitized(logprobs, width)  # [B, F, w]
+        node_tok = tok[:, slot, ranks]
+        node_logp = logp[:, slot, ranks]
+        parent_score = self.score[:, parent_ids]
+        self.token[:, nodes] = node_tok
+        self.score[:, nodes] = strictly_below(parent_score, parent_score + node_logp)
+        self._level += 1
+        return Level(tokens=node_tok[:, frontier_pos],
+                     parent_slot=slot[frontier_pos].expand(self.B, -1),
+                     depth=self._level, node_id=frontier.expand(self.B, -1))
+
+    def first_level(self, root_logprobs: torch.Tensor) -> Level:
+        assert self._level == 0
+        return self._fill(root_logprobs.unsqueeze(1))
+
+    def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
+        return self._fill(frontier_logprobs)
+
+    def finish(self, root_tokens: torch.Tensor) -> TreeBatch:
+        T = self.topo.num_nodes + 1
+        parent = torch.tensor(self.topo.parent, device=self.device).expand(self.B, T)
+        depth = torch.tensor(self.topo.depth, device=self.device).expand(self.B, T)
+        token = self.token.clone()
+        token[:, 0] = root_tokens
+        tree = TreeBatch(token=token, parent=parent.contiguous(), depth=depth.contiguous(),
+                         num_nodes=torch.full((self.B,), self.topo.num_nodes,
+                                              dtype=torch.long, device=self.device),
+                         max_depth=self.topo.max_depth,
+                         max_children=self.topo.max_children, score=self.score.clone())
+        return tree.truncated(self.budget)
