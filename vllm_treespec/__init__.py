@@ -21,3 +21,6 @@ def register() -> None:
         import vllm  # noqa: F401
     except ImportError:  # the tree core works without vLLM
         return
+    from vllm_treespec.vllm_glue import install
+
+    install()

@@ -11,7 +11,8 @@ from vllm_treespec.attention.reference import (
     attention_mask,
     gather_paged_kv,
     paged_tree_attention,
+    prefix_side_attention,
 )
 
 __all__ = ["PagedTreeAttentionMetadata", "attention_mask", "gather_paged_kv",
-           "paged_tree_attention"]
+           "paged_tree_attention", "prefix_side_attention"]

@@ -119,3 +119,42 @@ def paged_tree_attention(query: torch.Tensor, key_cache: torch.Tensor,
         out = torch.empty_like(query)
     out[q_idx[q_ok]] = o[q_ok]
     return out
+
+
+def prefix_side_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, block_table: torch.Tensor,
+                          block_size: int, prefix_len: torch.Tensor,
+                          side_key: torch.Tensor, side_value: torch.Tensor,
+                          side_mask: torch.Tensor, scale: float,
+                          max_prefix_len: int | None = None) -> torch.Tensor:
+    """Attention over a paged prefix plus a dense "side" block of tree nodes.
+
+    Used while *drafting* a tree: the frontier nodes of the current level attend
+    to the whole committed prefix (paged cache, ``prefix_len[b]`` entries) and to
+    the draft nodes of earlier levels that are their ancestors, whose K/V live
+    in a small dense side buffer rather than in the paged cache.
+
+    query:      [B, Q, H, Dh]
+    side_key/side_value: [B, W, KVH, Dh]
+    side_mask:  [B, Q, W] bool (may query q see side entry w)
+    Returns [B, Q, H, Dh] in the query's dtype (float32 math).
+    """
+    B, Q, H, Dh = query.shape
+    KVH = side_key.shape[2]
+    L = max_prefix_len if max_prefix_len is not None else int(prefix_len.max())
+    L = max(L, 1)
+    k = gather_paged_kv(key_cache, block_table, L, block_size)
+    v = gather_paged_kv(value_cache, block_table, L, block_size)
+    in_prefix = (torch.arange(L, device=query.device).unsqueeze(0)
+                 < prefix_len.long().unsqueeze(1))                      # [B, L]
+    k = torch.where(in_prefix.view(B, L, 1, 1), k, 0.0)
+    v = torch.where(in_prefix.view(B, L, 1, 1), v, 0.0)
+    keys = torch.cat([k.float(), side_key.float()], dim=1)             # [B, L+W, KVH, Dh]
+    values = torch.cat([v.float(), side_value.float()], dim=1)
+    mask = torch.cat([in_prefix.unsqueeze(1).expand(B, Q, L), side_mask.bool()], dim=2)
+    group = H // KVH
+    qh = query.float().permute(0, 2, 1, 3)
+    kh = keys.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    vh = values.permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask.unsqueeze(1), scale=scale)
+    return o.permute(0, 2, 1, 3).to(query.dtype)

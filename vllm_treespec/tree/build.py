@@ -38,13 +38,18 @@ from vllm_treespec.tree.tensorize import TreeBatch
 MIN_LOGPROB = -1.0e4
 
 
-def top_k_sanitized(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_sanitized(logprobs: torch.Tensor, k: int, token_map: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k over the draft vocabulary, with NaN / -inf scores made finite.
 
     Only the k winners are sanitised (cheap): NaN sorts first in ``topk`` but then
     scores MIN_LOGPROB, so a broken draft row yields unlikely, never invalid, nodes.
+    ``token_map`` translates draft-vocabulary ids to target ids (EAGLE-3 drafters
+    score a reduced vocabulary; the map is injective, so siblings stay distinct).
     """
     logp, tok = torch.topk(logprobs, k, dim=-1)
+    if token_map is not None:
+        tok = token_map[tok]
     logp = torch.nan_to_num(logp.float(), nan=MIN_LOGPROB, neginf=MIN_LOGPROB, posinf=0.0)
     return logp.clamp(MIN_LOGPROB, 0.0), tok
 
@@ -88,9 +93,11 @@ class DynamicTreeBuilder:
     """
 
     def __init__(self, batch_size: int, top_k: int, depth: int, num_nodes: int,
-                 device: torch.device | str = "cpu", budget: torch.Tensor | None = None):
+                 device: torch.device | str = "cpu", budget: torch.Tensor | None = None,
+                 token_map: torch.Tensor | None = None):
         self.B, self.k, self.depth, self.M = batch_size, top_k, depth, num_nodes
         self.device = torch.device(device)
+        self.token_map = token_map
         n_cand = 1 + top_k + (depth - 1) * top_k * top_k
         if num_nodes > n_cand - 1:
             raise ValueError(f"num_nodes={num_nodes} exceeds the {n_cand - 1} candidates of "
@@ -115,7 +122,7 @@ class DynamicTreeBuilder:
     def first_level(self, root_logprobs: torch.Tensor) -> Level:
         """Root's top-k children. root_logprobs: [B, V] draft log-probs after the root."""
         assert self._level == 0
-        logp, tok = top_k_sanitized(root_logprobs, self.k)
+        logp, tok = top_k_sanitized(root_logprobs, self.k, self.token_map)
         score = strictly_below(torch.zeros_like(logp), logp)
         ids = torch.arange(1, 1 + self.k, device=self.device).expand(self.B, -1)
         self.tokens[:, 1:1 + self.k] = tok
@@ -130,7 +137,7 @@ class DynamicTreeBuilder:
         frontier node (in the order of the previous Level)."""
         assert 1 <= self._level < self.depth and self._frontier_id is not None
         k = self.k
-        logp, tok = top_k_sanitized(frontier_logprobs, k)  # [B, k, k]
+        logp, tok = top_k_sanitized(frontier_logprobs, k, self.token_map)  # [B, k, k]
         parent_score = self._frontier_score.unsqueeze(-1).expand(-1, -1, k)
         cum = strictly_below(parent_score, parent_score + logp).reshape(self.B, k * k)
         start = self._next_free
@@ -239,8 +246,10 @@ class StaticTreeBuilder:
     """
 
     def __init__(self, batch_size: int, topology: StaticTopology,
-                 device: torch.device | str = "cpu", budget: torch.Tensor | None = None):
+                 device: torch.device | str = "cpu", budget: torch.Tensor | None = None,
+                 token_map: torch.Tensor | None = None):
         self.B, self.topo = batch_size, topology
+        self.token_map = token_map
         self.device = torch.device(device)
         T = topology.num_nodes + 1
         self.budget = (torch.full((batch_size,), topology.num_nodes, dtype=torch.long,
@@ -277,7 +286,7 @@ class StaticTreeBuilder:
     def _fill(self, logprobs: torch.Tensor) -> Level:
         nodes, slot, ranks, frontier, frontier_pos, parent_ids, width = \
             self._levels[self._level]
-        logp, tok = top_k_sanitized(logprobs, width)  # [B, F, w]
+        logp, tok = top_k_sanitized(logprobs, width, self.token_map)  # [B, F, w]
         node_tok = tok[:, slot, ranks]
         node_logp = logp[:, slot, ranks]
         parent_score = self.score[:, parent_ids]

@@ -1,0 +1,68 @@
+"""Drafter checkpoints for integration tests.
+
+``random_eagle3_drafter`` writes a randomly initialised EAGLE-3 head in the
+format vLLM's ``LlamaForCausalLMEagle3`` loads: it exercises the real drafting
+code (first pass, tree levels, side-buffer attention) but rarely guesses right,
+so acceptance is tested with an oracle on top of it (see ``oracle``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
+                          draft_vocab: int = 4096, seed: int = 0,
+                          aux_layers: tuple[int, int, int] | None = None) -> Path:
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    d = tcfg["hidden_size"]
+    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
+    head_dim = tcfg.get("head_dim") or d // heads
+    inter, vocab = tcfg["intermediate_size"], tcfg["vocab_size"]
+    n_layers = tcfg["num_hidden_layers"]
+    aux = list(aux_layers or (2, n_layers // 2, n_layers - 3))
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": d, "intermediate_size": inter, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
+        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": d,
+        "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-5),
+        "rope_theta": tcfg.get("rope_theta", 10000.0),
+        "max_position_embeddings": tcfg.get("max_position_embeddings", 8192),
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux,
+                         "use_aux_hidden_state": True},
+    }
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.02):
+        return torch.randn(*shape, generator=g) * scale
+
+    tensors = {
+        "fc.weight": w(d, 3 * d),
+        "midlayer.input_layernorm.weight": torch.ones(d),
+        "midlayer.hidden_norm.weight": torch.ones(d),
+        "midlayer.post_attention_layernorm.weight": torch.ones(d),
+        "midlayer.self_attn.q_proj.weight": w(heads * head_dim, 2 * d),
+        "midlayer.self_attn.k_proj.weight": w(kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.v_proj.weight": w(kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.o_proj.weight": w(d, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": w(inter, d),
+        "midlayer.mlp.up_proj.weight": w(inter, d),
+        "midlayer.mlp.down_proj.weight": w(d, inter),
+        "norm.weight": torch.ones(d),
+        "lm_head.weight": w(draft_vocab, d, scale=1.0),
+        # Draft id i is target id i (offsets 0): the first draft_vocab tokens.
+        "d2t": torch.zeros(draft_vocab, dtype=torch.long),
+        "t2d": torch.arange(vocab) < draft_vocab,
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()},
+              str(out_dir / "model.safetensors"))
+    return out_dir

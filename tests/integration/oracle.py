@@ -1,0 +1,106 @@
+"""An oracle drafter for integration tests.
+
+A random drafter almost never guesses right, so it leaves acceptance, bonus
+tokens and KV compaction untested. The oracle wraps the real tree drafter (which
+still runs: first pass, tree levels, side-buffer attention) and then replaces
+each request's tree with one that hides the target's own greedy continuation
+(known from a run without speculation) along a random branch, at random sibling
+ranks and depths up to 8, among decoy nodes. Acceptance therefore goes deep and
+the accepted path is rarely contiguous.
+
+If the engine's output ever departs from the reference, the oracle simply keeps
+proposing the reference's tokens: acceptance drops and the test comparing the
+outputs fails — the oracle cannot hide a wrong verification.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+
+def oracle_tree(rng: random.Random, truth: list[int], budget: int, vocab: int,
+                max_depth: int = 8) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a BFS-ordered tree of ``budget`` nodes that contains
+    ``truth[:h]`` as a root path for a random h (root = index 0)."""
+    h = rng.randint(0, min(max_depth, len(truth), budget))
+    # nodes: (depth, token, parent_key); keys are insertion ids, root = 0
+    nodes = {0: (0, None, None)}
+    children: dict[int, list[int]] = {0: []}
+    true_path = [0]
+    for d in range(1, h + 1):
+        key = len(nodes)
+        nodes[key] = (d, truth[d - 1], true_path[-1])
+        children[true_path[-1]].append(key)
+        children[key] = []
+        true_path.append(key)
+    while len(nodes) - 1 < budget:
+        parent = rng.choice([k for k, v in nodes.items() if v[0] < max_depth])
+        used = {nodes[c][1] for c in children[parent]}
+        if parent in true_path and true_path.index(parent) < len(truth):
+            used.add(truth[true_path.index(parent)])  # a decoy must not be the truth
+        token = rng.randrange(vocab)
+        if token in used:
+            continue
+        key = len(nodes)
+        nodes[key] = (nodes[parent][0] + 1, token, parent)
+        # Random sibling rank: insert the decoy anywhere among its siblings.
+        children[parent].insert(rng.randint(0, len(children[parent])), key)
+        children[key] = []
+    # BFS order: by depth, siblings in their (shuffled) order.
+    order, frontier = [], [0]
+    while frontier:
+        nxt = []
+        for k in frontier:
+            nxt.extend(children[k])
+        order.extend(nxt)
+        frontier = nxt
+    index = {0: 0}
+    for i, k in enumerate(order, start=1):
+        index[k] = i
+    tokens = [nodes[k][1] for k in order]
+    parents = [index[nodes[k][2]] for k in order]
+    return tokens, parents
+
+
+def install(worker, reference: dict, seed: int = 0, vocab: int = 49152) -> bool:
+    """collective_rpc target: wrap the worker's tree drafter with the oracle.
+
+    reference: {prompt token ids joined by ',': greedy output token ids}
+    """
+    from vllm_treespec.vllm_glue.proposer import ProposedTree
+
+    runner = worker.model_runner
+    drafter = runner.drafter
+    original = drafter.propose
+    rng = random.Random(seed)
+
+    def propose(self, *args, **kwargs):
+        drafts = original(*args, **kwargs)
+        cad = kwargs["common_attn_metadata"]
+        rejected = kwargs.get("num_rejected_tokens_gpu")
+        B = cad.batch_size()
+        prefix = cad.seq_lens[:B].long()
+        if rejected is not None:
+            prefix = prefix - rejected[:B].long()
+        for b, req_id in enumerate(runner.input_batch.req_ids[:B]):
+            if not drafts[b]:
+                continue  # not allowed a tree (sampling params) or budget 0
+            state = runner.requests[req_id]
+            ref = reference.get(",".join(map(str, state.prompt_token_ids)))
+            if ref is None:
+                continue
+            root_index = int(prefix[b]) - len(state.prompt_token_ids)
+            truth = ref[root_index + 1:]
+            tokens, parents = oracle_tree(rng, truth, len(drafts[b]), vocab)
+            drafts[b] = tokens
+            self.proposed[req_id] = ProposedTree(tokens, parents)
+        return drafts
+
+    drafter.propose = types.MethodType(propose, drafter)
+    return True
+
+
+def tree_metrics(worker) -> dict:
+    """collective_rpc target: the worker's cumulative tree metrics."""
+    return worker.model_runner.tree_metrics.total.summary()

@@ -1,0 +1,160 @@
+"""Tree attention on vLLM's CPU backend.
+
+vLLM's CPU kernel knows causal attention only. In tree mode this backend replaces
+``CPU_ATTN`` (``register_backend``) and keeps the native kernel for every row,
+then recomputes the rows of tree-verify requests with the reference paged tree
+attention (their causal result is wrong only for them). While drafting a tree,
+the drafter's frontier nodes attend to the paged prefix plus their ancestors in
+a small per-layer side buffer (``prefix_side_attention``); nothing of the draft
+tree is written to the paged cache.
+
+Outside tree mode nothing here runs: the runner only installs this backend when
+the speculative method is ``eagle3_tree``, and without tree metadata every call
+goes straight to the stock implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+)
+
+from vllm_treespec.attention import (
+    PagedTreeAttentionMetadata,
+    paged_tree_attention,
+    prefix_side_attention,
+)
+
+
+@dataclasses.dataclass
+class TreeVerifyRows:
+    """Tree rows of a verify batch, in the reference's terms (shared by all layers).
+
+    rows: [Nt] flat query-token indices of the tree requests' tokens
+    meta: reference metadata over those rows only (queries re-packed densely)
+    """
+
+    rows: torch.Tensor
+    meta: PagedTreeAttentionMetadata
+
+
+@dataclasses.dataclass
+class DraftTreeLevelMetadata:
+    """Attention metadata of one tree-drafting level (drafter layers only).
+
+    The level's B*F frontier tokens are queries; their K/V go to side-buffer
+    columns ``[side_offset, side_offset + F)``; ``side_mask`` [B, F, side_offset+F]
+    says which side entries each frontier node sees (ancestors and itself).
+    """
+
+    batch_size: int
+    width: int
+    side_offset: int
+    side_capacity: int
+    prefix_len: torch.Tensor
+    max_prefix_len: int
+    block_table: torch.Tensor
+    block_size: int
+    side_mask: torch.Tensor
+
+
+def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a CPU paged cache as [blocks, block_size, KVH, Dh] views.
+
+    The CPU kernels (ISA "vec"/"vec16") store, per block and KV head, K transposed
+    ([Dh, block_size]) followed by V ([block_size, Dh]) inside the
+    ``[blocks, KVH, block_size, 2*Dh]`` allocation. ``probe_kv_layout`` checks this
+    against the real write kernel at startup.
+    """
+    nb, kvh, bs, _ = kv_cache.shape
+    flat = kv_cache.view(nb, kvh, 2 * bs * head_size)
+    k = flat[..., : bs * head_size].view(nb, kvh, head_size, bs).permute(0, 3, 1, 2)
+    v = flat[..., bs * head_size:].view(nb, kvh, bs, head_size).permute(0, 2, 1, 3)
+    return k, v
+
+
+def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
+                    num_kv_heads: int = 2) -> None:
+    """Write known K/V with vLLM's CPU cache kernel and read them back through
+    ``kv_views``; raise at startup if this build lays the cache out differently."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, block_size, head_size, "auto")
+    nb = 2
+    cache = torch.zeros(nb, num_kv_heads, block_size, 2 * head_size, dtype=dtype)
+    key_cache, value_cache = cache.view(nb, num_kv_heads, 2 * block_size, head_size).chunk(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    n = min(5, nb * block_size)
+    key = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
+    value = torch.randn(n, num_kv_heads, head_size, generator=gen).to(dtype)
+    slots = torch.randperm(nb * block_size, generator=gen)[:n]
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    k, v = kv_views(cache, head_size)
+    blk, off = slots // block_size, slots % block_size
+    if not (torch.equal(k[blk, off], key) and torch.equal(v[blk, off], value)):
+        raise RuntimeError(
+            f"eagle3_tree: the CPU attention kernel (ISA {isa!r}, dtype {dtype}, block "
+            f"size {block_size}) stores its KV cache in a layout this version of "
+            f"vllm-treespec cannot read; tree attention supports ISAs 'vec' and 'vec16'")
+
+
+class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if isinstance(attn_metadata, DraftTreeLevelMetadata):
+            return self._draft_level(query, key, value, kv_cache, attn_metadata, output)
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                 output_scale, output_block_scale)
+        tree: TreeVerifyRows | None = getattr(attn_metadata, "tree_verify", None)
+        if tree is not None:
+            k_cache, v_cache = kv_views(kv_cache, self.head_size)
+            q = query[tree.rows].view(-1, self.num_heads, self.head_size)
+            out = paged_tree_attention(q, k_cache, v_cache, tree.meta, self.scale)
+            output[tree.rows] = out.reshape((out.shape[0],) + output.shape[1:]).to(output.dtype)
+        return output
+
+    def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
+        B, F, D = md.batch_size, md.width, self.head_size
+        side = getattr(self, "_side_kv", None)
+        if (side is None or side.shape[1] < B or side.shape[2] < md.side_capacity
+                or side.dtype != key.dtype):
+            side = torch.zeros(2, B, md.side_capacity, self.num_kv_heads, D,
+                               dtype=key.dtype, device=key.device)
+            self._side_kv = side
+        lo, hi = md.side_offset, md.side_offset + F
+        side[0, :B, lo:hi] = key[: B * F].view(B, F, self.num_kv_heads, D)
+        side[1, :B, lo:hi] = value[: B * F].view(B, F, self.num_kv_heads, D)
+        k_cache, v_cache = kv_views(kv_cache, D)
+        q = query[: B * F].view(B, F, self.num_heads, D)
+        out = prefix_side_attention(q, k_cache, v_cache, md.block_table, md.block_size,
+                                    md.prefix_len, side[0, :B, :hi], side[1, :B, :hi],
+                                    md.side_mask, self.scale, md.max_prefix_len)
+        output[: B * F] = out.reshape((B * F,) + output.shape[1:]).to(output.dtype)
+        return output
+
+
+class TreeCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with tree rows; identical to the stock backend otherwise."""
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeCPUAttentionImpl]:
+        return TreeCPUAttentionImpl
+
+
+def install() -> None:
+    """Make ``CPU_ATTN`` resolve to the tree-aware backend in this process."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN,
+                     f"{TreeCPUAttentionBackend.__module__}.{TreeCPUAttentionBackend.__qualname__}")
+    try:  # a backend resolved earlier in this process must not stay cached
+        from vllm.v1.attention import selector
+        selector._cached_get_attn_backend.cache_clear()
+    except AttributeError:
+        pass

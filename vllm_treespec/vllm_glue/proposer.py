@@ -1,0 +1,202 @@
+"""The EAGLE-3 drafter growing a tree instead of a chain.
+
+Step 1 is vLLM's own first drafting pass, unchanged: after the verify step the
+runner has compacted the accepted path to the front of each request's tokens, so
+the drafter sees an ordinary chain (accepted tokens + bonus) and runs exactly as
+stock ``eagle3`` would, writing its KV into the paged cache.
+
+Then, instead of a chain of single-token steps, the tree builder expands the
+frontier level by level: at level d the F frontier nodes of every request are
+forwarded together (positions ``P' + d - 1`` where P' is the new root's
+position), attending to the committed prefix plus their own ancestors among the
+earlier levels' nodes (kept in a per-layer side buffer, see ``cpu_attention``).
+The best ``num_nodes`` candidates form the tree; its tokens go to the scheduler
+as the request's draft tokens (BFS order), and its shape is kept here until the
+runner verifies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import set_forward_context
+from vllm.v1.spec_decode.eagle import EagleProposer
+
+from vllm_treespec.config import TreeSpecConfig
+from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
+from vllm_treespec.vllm_glue.cpu_attention import DraftTreeLevelMetadata
+from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
+
+@dataclasses.dataclass
+class ProposedTree:
+    """A request's draft tree, as handed to the scheduler and later verified."""
+
+    tokens: list[int]   # draft tokens, BFS order (root excluded)
+    parents: list[int]  # parent node index of each draft node (root = 0)
+
+
+class TreeEagleProposer(EagleProposer):
+    def __init__(self, vllm_config, device, runner=None):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner
+        cfg = tree_config_from_vllm(vllm_config)
+        assert cfg is not None
+        self.tree_cfg: TreeSpecConfig = cfg
+        self.topology = StaticTopology.from_choices(cfg.choices) if cfg.is_static else None
+        self.proposed: dict[str, ProposedTree] = {}
+        self.last_draft_seconds = 0.0
+        self.last_trees: TreeBatch | None = None
+        # Per-request budget override (adaptive policies); None = config budget.
+        self.budget_fn = None
+
+    # ------------------------------------------------------------------ drafts
+    def _draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the drafter's own (reduced) vocabulary."""
+        logits = self.model.logits_processor(self.model.lm_head, hidden)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _token_map(self) -> torch.Tensor | None:
+        d2t = getattr(self.model, "draft_id_to_target_id", None)
+        if d2t is None:
+            return None
+        cached = getattr(self, "_token_map_cache", None)
+        if cached is None or cached.shape[0] != d2t.shape[0]:
+            cached = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
+            self._token_map_cache = cached
+        return cached
+
+    def _builder(self, batch_size: int, budget: torch.Tensor | None):
+        cfg = self.tree_cfg
+        if self.topology is not None:
+            return StaticTreeBuilder(batch_size, self.topology, self.device, budget,
+                                     self._token_map())
+        return DynamicTreeBuilder(batch_size, cfg.top_k, cfg.depth, cfg.num_nodes,
+                                  self.device, budget, self._token_map())
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                num_rejected_tokens_gpu=None, slot_mappings=None):
+        t0 = time.perf_counter()
+        batch_size = common_attn_metadata.batch_size()
+        target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
+
+        # --- first pass: stock EAGLE over the (compacted) accepted chain -----
+        num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
+            target_token_ids=target_token_ids, next_token_ids=next_token_ids,
+            target_positions=target_positions, target_hidden_states=target_hidden_states,
+            token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu)
+        _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad)
+        model_kwargs, _ = self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
+        with set_forward_context(per_layer_md, self.vllm_config, num_tokens=num_tokens,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(num_tokens,
+                                                                     cad.slot_mapping)):
+            last_hidden, hidden = self.model(**model_kwargs)
+        root_hidden = hidden[token_indices_to_sample]               # [B, d]
+        root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
+
+        # --- tree expansion ---------------------------------------------------
+        # Drafter KV is valid for positions < P' (the new root's position).
+        prefix_len = cad.seq_lens[:batch_size].long()
+        if num_rejected_tokens_gpu is not None:
+            prefix_len = prefix_len - num_rejected_tokens_gpu[:batch_size].long()
+        budget = self.budget_fn(batch_size) if self.budget_fn is not None else None
+        builder = self._builder(batch_size, budget)
+        level = builder.first_level(root_logprobs)
+        parent_hidden = root_hidden.unsqueeze(1)                    # [B, 1, d]
+        parent_mask = torch.zeros(batch_size, 1, 0, dtype=torch.bool, device=self.device)
+        side_capacity = self._side_capacity()
+        side_offset = 0
+        max_prefix = int(prefix_len.max()) if batch_size else 0
+        block_table = cad.block_table_tensor[:batch_size]
+        while not builder.done and level.tokens.shape[1] > 0:
+            F = level.tokens.shape[1]
+            slot = level.parent_slot                                   # [B, F]
+            h_in = torch.gather(parent_hidden, 1,
+                                slot.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
+            # Each node sees its parent's side entries plus its own new column.
+            inherited = torch.gather(parent_mask, 1,
+                                     slot.unsqueeze(-1).expand(-1, -1, parent_mask.shape[-1]))
+            own = torch.eye(F, dtype=torch.bool, device=self.device).expand(batch_size, F, F)
+            side_mask = torch.cat([inherited, own], dim=2)
+            positions = (prefix_len + (level.depth - 1)).clamp(max=self.max_model_len - 1)
+            md = DraftTreeLevelMetadata(
+                batch_size=batch_size, width=F, side_offset=side_offset,
+                side_capacity=side_capacity, prefix_len=prefix_len, max_prefix_len=max_prefix,
+                block_table=block_table, block_size=self.block_size, side_mask=side_mask)
+            n = batch_size * F
+            with set_forward_context({name: md for name in self._draft_attn_layer_names},
+                                     self.vllm_config, num_tokens=n,
+                                     cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                     slot_mapping={}):
+                last_hidden, hidden = self.model(
+                    input_ids=level.tokens.reshape(n).int(),
+                    positions=positions.repeat_interleave(F),  # contiguous: kernels index it raw
+                    hidden_states=h_in.reshape(n, -1))
+            logprobs = self._draft_vocab_logprobs(last_hidden).view(batch_size, F, -1)
+            parent_hidden = hidden.view(batch_size, F, -1)
+            parent_mask = side_mask
+            side_offset += F
+            level = builder.next_level(logprobs)
+        trees = builder.finish(next_token_ids[:batch_size].long())
+        if self.tree_cfg.validate_invariants:
+            trees.validate()
+        self.last_trees = trees
+        drafts = self._hand_over(trees)
+        self.last_draft_seconds = time.perf_counter() - t0
+        metrics = getattr(self.runner, "tree_metrics", None)
+        if metrics is not None:
+            metrics.on_draft(self.last_draft_seconds)
+        return drafts
+
+    def _side_capacity(self) -> int:
+        """Side-buffer columns one drafting step can use (all forwarded levels)."""
+        cfg = self.tree_cfg
+        if self.topology is not None:
+            return max(1, sum(1 for i in range(1, self.topology.num_nodes + 1)
+                              if i in set(self.topology.parent[1:])) + 1)
+        return max(1, cfg.top_k * (cfg.depth - 1))
+
+    def _hand_over(self, trees: TreeBatch) -> list[list[int]]:
+        """Draft token lists for the scheduler; remember each tree's shape."""
+        tokens = trees.token.cpu().numpy()
+        parents = trees.parent.cpu().numpy()
+        num = trees.num_nodes.cpu().numpy()
+        req_ids = self.runner.input_batch.req_ids
+        allowed = self.runner.tree_allowed_mask(len(req_ids))
+        out: list[list[int]] = []
+        for b, req_id in enumerate(req_ids):
+            n = int(num[b]) if allowed[b] else 0
+            draft = tokens[b, 1: n + 1].tolist()
+            out.append(draft)
+            if n:
+                self.proposed[req_id] = ProposedTree(draft, parents[b, 1: n + 1].tolist())
+            else:
+                self.proposed.pop(req_id, None)
+        return out
+
+    # ------------------------------------------------------------------ verify
+    def tree_for(self, req_id: str, scheduled: list[int]) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of the scheduled drafts, root excluded.
+
+        The scheduler may have truncated the drafts (token budget, max length): BFS
+        order keeps any prefix a valid tree. Drafts that do not match what was
+        proposed (e.g. placeholders after a fallback) are verified as a chain,
+        which is always correct.
+        """
+        n = len(scheduled)
+        tree = self.proposed.get(req_id)
+        if tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled):
+            return tree.tokens[:n], tree.parents[:n]
+        return list(scheduled), list(range(n))
+
+    def forget(self, req_ids) -> None:
+        for r in req_ids:
+            self.proposed.pop(r, None)
+

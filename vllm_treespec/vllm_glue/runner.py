@@ -1,0 +1,192 @@
+"""Tree verification inside vLLM's model runner (CPU runner here; the NPU runner
+reuses the same mixin).
+
+Per step, for requests whose scheduled draft tokens are a tree:
+
+1. ``_prepare_inputs``: vLLM lays the root + draft nodes out linearly (slots
+   ``P + i``); we rewrite their rotary positions to ``P + depth(i)`` after the
+   slot mapping exists, and prepare the tree rows for the attention backend.
+2. ``_build_attention_metadata``: the tree rows ride on the attention metadata.
+3. ``_sample``: target distributions at every node -> acceptance -> commit: the
+   accepted path's KV (every layer), input ids and hidden states are copied to
+   the front (``P+idx_k -> P+k``, skipped when already there) and positions made
+   linear again, so the scheduler's ``num_computed -= rejected`` and the
+   drafter's first pass see an ordinary accepted chain.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vllm_treespec.tree import TreeBatch, apply_compaction, compaction_plan, tree_mask
+from vllm_treespec.attention import PagedTreeAttentionMetadata
+from vllm_treespec.vllm_glue.cpu_attention import TreeVerifyRows, kv_views
+from vllm_treespec.vllm_glue.metrics import TreeMetrics
+from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
+from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
+
+
+class TreeRunnerMixin:
+    """Mixed into a vLLM model runner class; inert for batches without trees."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.tree_cfg = tree_config_from_vllm(vllm_config)
+        if hasattr(self, "drafter"):
+            self.drafter = TreeEagleProposer(vllm_config, self.device, self)
+        self._verify: VerifyStep | None = None
+        self.tree_metrics = TreeMetrics.from_vllm_config(vllm_config, self.tree_cfg)
+
+    # ------------------------------------------------------------- policy
+    def tree_allowed_mask(self, num_reqs: int) -> list[bool]:
+        """Requests whose sampling parameters tree acceptance reproduces exactly."""
+        out = []
+        for req_id in self.input_batch.req_ids[:num_reqs]:
+            state = self.requests.get(req_id)
+            out.append(state is not None
+                       and tree_safe(state.sampling_params, len(state.output_token_ids)))
+        return out
+
+    # ------------------------------------------------------------- state
+    def _update_states(self, scheduler_output):
+        if hasattr(self, "drafter"):
+            self.drafter.forget(scheduler_output.finished_req_ids)
+        return super()._update_states(scheduler_output)
+
+    # ------------------------------------------------------------- inputs
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_md = super()._prepare_inputs(scheduler_output,
+                                                          num_scheduled_tokens)
+        self._verify = None
+        if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
+            self._verify = self._make_verify_step(scheduler_output, spec_md)
+        return logits_indices, spec_md
+
+    def _make_verify_step(self, scheduler_output, spec_md) -> VerifyStep:
+        num_reqs = self.input_batch.num_reqs
+        index = self.input_batch.req_id_to_index
+        entries = []
+        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
+            if drafts:
+                entries.append((index[req_id], *self.drafter.tree_for(req_id, drafts)))
+        entries.sort(key=lambda e: e[0])
+        req_index = np.array([e[0] for e in entries], dtype=np.int64)
+        token_start = self.query_start_loc.np[req_index].astype(np.int64)
+        roots = self.input_ids.gpu[torch.from_numpy(token_start).to(self.device)].tolist()
+        tree = TreeBatch.from_parents(
+            [[r] + e[1] for r, e in zip(roots, entries)],
+            [[0] + e[2] for e in entries],
+            tree_size=1 + max(len(e[1]) for e in entries),
+            max_children=max(self.tree_cfg.max_children, 1), device=self.device)
+        num_draft = np.asarray(spec_md.num_draft_tokens, dtype=np.int64)
+        cu_sampled = np.cumsum(num_draft + 1)
+        logit_start = cu_sampled[req_index] - (num_draft[req_index] + 1)
+        prefix = self.input_batch.num_computed_tokens_cpu[req_index].astype(np.int64)
+        dev = self.device
+        step = VerifyStep(req_index=torch.from_numpy(req_index).to(dev), tree=tree,
+                          prefix_len=torch.from_numpy(prefix).to(dev),
+                          token_start=torch.from_numpy(token_start).to(dev),
+                          logit_start=torch.from_numpy(logit_start).to(dev),
+                          num_reqs=num_reqs)
+        if self.tree_cfg.validate_invariants:
+            tree.validate(vocab_size=self.input_batch.vocab_size)
+        # Depth-based rotary positions; the slot mapping above stays linear.
+        flat = step.token_start.unsqueeze(1) + tree.node_index
+        pos = step.prefix_len.unsqueeze(1) + tree.depth
+        self.positions[flat[tree.valid]] = pos[tree.valid]
+        return step
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
+        step = self._verify
+        if step is not None and attn_metadata:
+            rows = self._tree_rows(step)
+            groups = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+            for per_layer in groups:
+                for md in {id(m): m for m in per_layer.values()}.values():
+                    md.tree_verify = rows
+        return attn_metadata, spec_cad
+
+    def _tree_rows(self, step: VerifyStep) -> TreeVerifyRows:
+        tree = step.tree
+        q_lens = tree.num_nodes + 1
+        qsl = torch.zeros(tree.batch_size + 1, dtype=torch.int32, device=self.device)
+        qsl[1:] = torch.cumsum(q_lens, 0)
+        rows = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
+        bt = self.input_batch.block_table[0]
+        meta = PagedTreeAttentionMetadata(
+            query_start_loc=qsl, seq_lens=(step.prefix_len + q_lens).int(),
+            block_table=bt.get_device_tensor(step.num_reqs)[step.req_index],
+            block_size=bt.block_size, tree_mask=tree_mask(tree),
+            max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
+        return TreeVerifyRows(rows=rows, meta=meta)
+
+    # ------------------------------------------------------------- forward
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        t0 = time.perf_counter()
+        out = super().execute_model(scheduler_output, intermediate_tensors)
+        state = getattr(self, "execute_model_state", None)
+        if self._verify is not None and state is not None:
+            self._verify.hidden_states = state.hidden_states
+            self._verify.aux_hidden_states = state.aux_hidden_states
+        self.tree_metrics.on_forward(time.perf_counter() - t0, self._verify)
+        return out
+
+    # ------------------------------------------------------------- sample
+    def _sample(self, logits, spec_decode_metadata):
+        step = self._verify
+        if step is None or spec_decode_metadata is None:
+            return super()._sample(logits, spec_decode_metadata)
+        t0 = time.perf_counter()
+        self.input_batch.update_async_output_token_ids()
+        out, acc = sample_with_trees(self.sampler, logits, spec_decode_metadata,
+                                     self.input_batch.sampling_metadata, step)
+        t1 = time.perf_counter()
+        self._commit(step, acc)
+        self.tree_metrics.on_verify(step, acc, t1 - t0, time.perf_counter() - t1,
+                                    [self.input_batch.req_ids[i]
+                                     for i in step.req_index.tolist()])
+        self._verify = None
+        return out
+
+    def _commit(self, step: VerifyStep, acc) -> None:
+        """Move the accepted path to the front: KV of every layer, ids, hidden states."""
+        plan = compaction_plan(acc)
+        if bool(plan.needs_copy.any()):
+            bt = self.input_batch.block_table[0]
+            block_table = bt.get_device_tensor(step.num_reqs)[step.req_index]
+            src, dst = plan.slots(step.prefix_len, block_table, bt.block_size)
+            seen = set()
+            for cache in self.kv_caches:
+                if cache is None or cache.data_ptr() in seen:
+                    continue
+                seen.add(cache.data_ptr())
+                for view in self._kv_views(cache):
+                    apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
+            moves = plan.src != plan.dst
+            tok_src = (step.token_start.unsqueeze(1) + plan.src)[moves]
+            tok_dst = (step.token_start.unsqueeze(1) + plan.dst)[moves]
+            buffers = [self.input_ids.gpu]
+            if step.hidden_states is not None:
+                buffers.append(step.hidden_states)
+            buffers += list(step.aux_hidden_states or [])
+            for buf in buffers:
+                buf[tok_dst] = buf[tok_src]
+        # Linear positions again: the drafter's first pass reads a plain chain.
+        tree = step.tree
+        flat = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
+        lin = (step.prefix_len.unsqueeze(1) + tree.node_index)[tree.valid]
+        self.positions[flat] = lin
+
+    def _kv_views(self, cache: torch.Tensor):
+        """[blocks, block_size, ...] views of one layer's cache (device layout)."""
+        head_size = cache.shape[-1] // 2
+        return kv_views(cache, head_size)
+
+
+def tree_cpu_runner_class(base: type) -> type:
+    return type("TreeCPUModelRunner", (TreeRunnerMixin, base), {})

@@ -1,0 +1,121 @@
+"""``--speculative-config '{"method": "eagle3_tree", ...}'`` -> stock vLLM config.
+
+vLLM validates ``SpeculativeConfig.method`` against a closed list and keys ~10
+code paths (aux hidden states, lookahead slots, the drafter class) off
+``"eagle3"``. So the tree method is translated where the user's dict enters
+vLLM (``EngineArgs.create_speculative_config``):
+
+* the tree keys are validated (``TreeSpecConfig``) and moved to
+  ``additional_config["eagle3_tree"]``, which reaches every process and is part
+  of the config hash;
+* the rest runs through the stock ``eagle3`` path with
+  ``num_speculative_tokens`` = the node budget, so vLLM allocates KV slots and
+  schedules up to ``num_nodes`` draft tokens per request;
+* scheduling is made synchronous: acceptance, KV commit and drafting read the
+  accepted path on the host between steps.
+
+Errors are raised here, in the API server / ``LLM`` process, before any model
+is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
+
+METHOD = "eagle3_tree"
+ADDITIONAL_CONFIG_KEY = "eagle3_tree"
+
+logger = logging.getLogger("vllm_treespec")
+
+# Stock keys that make no sense with a tree (the tree sets them itself).
+_FORBIDDEN_STOCK_KEYS = {
+    "num_speculative_tokens": "use 'num_nodes' (the node budget) instead",
+    "parallel_drafting": "tree drafting expands level by level",
+    "disable_padded_drafter_batch": "the tree drafter always uses the padded batch",
+    "draft_sample_method": "tree drafts are the drafter's top-k; acceptance is lossless",
+    "rejection_sample_method": "tree acceptance has its own lossless rule",
+    "num_speculative_tokens_per_batch_size": "tree budgets are set by 'num_nodes'",
+}
+
+
+def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], TreeSpecConfig]:
+    """Split a user speculative-config dict into (stock eagle3 dict, tree config)."""
+    spec = {k.replace("-", "_"): v for k, v in spec.items()}
+    if spec.get("method") != METHOD:
+        raise ValueError(f"not an {METHOD} config")
+    for key, why in _FORBIDDEN_STOCK_KEYS.items():
+        if key in spec:
+            raise TreeSpecConfigError(
+                f"{METHOD}: speculative-config key {key!r} has invalid value "
+                f"{spec[key]!r}; allowed: leave it out ({why})")
+    if not spec.get("model"):
+        raise TreeSpecConfigError(
+            f"{METHOD}: speculative-config key 'model' has invalid value "
+            f"{spec.get('model')!r}; allowed: the path or name of an EAGLE-3 drafter")
+    tree_raw = {k: spec.pop(k) for k in list(spec) if k in TreeSpecConfig.keys()}
+    tree = TreeSpecConfig.from_dict(tree_raw)
+    stock = dict(spec, method="eagle3", num_speculative_tokens=tree.num_nodes)
+    return stock, tree
+
+
+def tree_config_from_vllm(vllm_config: Any) -> TreeSpecConfig | None:
+    """The tree settings of a running engine, or None when not in tree mode."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
+    return None if raw is None else TreeSpecConfig.from_dict(raw)
+
+
+WORKERS = {
+    "cpu": "vllm_treespec.vllm_glue.workers.TreeCPUWorker",
+}
+
+
+def _select_worker(parallel_config: Any) -> None:
+    """Point the engine at this platform's tree worker (stock runner + tree mixin)."""
+    from vllm.platforms import current_platform
+
+    kind = "cpu" if current_platform.is_cpu() else getattr(current_platform, "device_type", "?")
+    if kind not in WORKERS:
+        raise TreeSpecConfigError(
+            f"{METHOD}: platform {kind!r} is not supported by this version; "
+            f"supported: {sorted(WORKERS)}")
+    current = getattr(parallel_config, "worker_cls", "auto")
+    if current not in ("auto", WORKERS[kind]):
+        raise TreeSpecConfigError(
+            f"{METHOD}: engine argument 'worker_cls' has invalid value {current!r}; "
+            f"allowed: 'auto' (the tree worker {WORKERS[kind]} is selected automatically)")
+    parallel_config.worker_cls = WORKERS[kind]
+
+
+def patch_engine_args() -> None:
+    """Wrap ``EngineArgs.create_speculative_config`` (idempotent)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_treespec_wrapped", False):
+        return
+
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if isinstance(spec, dict) and spec.get("method") == METHOD:
+            stock, tree = translate(spec)
+            if getattr(self, "async_scheduling", None):
+                raise TreeSpecConfigError(
+                    f"{METHOD}: engine argument 'async_scheduling' has invalid value "
+                    f"True; allowed: False or unset (tree verification commits the "
+                    f"accepted path before the next step is scheduled)")
+            self.async_scheduling = False
+            parallel = kwargs.get("target_parallel_config", args[1] if len(args) > 1 else None)
+            _select_worker(parallel)
+            extra = dict(self.additional_config or {})
+            extra[ADDITIONAL_CONFIG_KEY] = tree.to_dict()
+            self.additional_config = extra
+            self.speculative_config = stock
+            logger.info("%s: %s", METHOD, tree)
+        return original(self, *args, **kwargs)
+
+    create_speculative_config._treespec_wrapped = True  # type: ignore[attr-defined]
+    EngineArgs.create_speculative_config = create_speculative_config

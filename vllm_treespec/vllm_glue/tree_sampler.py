@@ -1,0 +1,205 @@
+"""Sampling a verify step that contains trees.
+
+vLLM's rejection sampler assumes chains: its logits processors see "output so
+far = output + the first j drafts", and its bonus row is the last one. With a
+tree, the context of node i is ``output + path(i)`` and any node can supply the
+bonus token. So in tree mode:
+
+* every request first goes through vLLM's own ``Sampler`` on one row (its only
+  row, or its root row): requests without a tree take that token as their output,
+  and batch-aligned logits processors see exactly the batch they expect;
+* tree requests get their target distribution at every node from the same
+  processing vLLM applies (allowed-token mask, repetition / frequency / presence
+  penalties over ``output + path``, temperature, top-k, top-p), then the tree
+  acceptance rule: greedy longest path at temperature 0, lossless multi-draft
+  rejection sampling otherwise (per request, in one batch);
+* logprobs of emitted tokens come from the node rows that produced them.
+
+Requests whose sampling parameters need processing not listed above (min-p,
+logit bias, bad words, min-tokens still pending, structured output, custom
+logits processors, specific-token logprobs) are never given a tree
+(``tree_safe``): they decode normally in the same batch, losslessly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.sample.ops.penalties import apply_all_penalties
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+from vllm_treespec.tree import (
+    PAD_TOKEN_ID,
+    Acceptance,
+    TreeBatch,
+    greedy_accept,
+    stochastic_accept,
+)
+
+SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
+
+
+def tree_safe(params, num_output_tokens: int) -> bool:
+    """Whether a request's sampling parameters are reproduced exactly on tree nodes."""
+    if params is None:
+        return False
+    if getattr(params, "min_p", 0.0) and params.temperature >= SAMPLING_EPS:
+        return False
+    if getattr(params, "logit_bias", None) or getattr(params, "bad_words", None):
+        return False
+    if getattr(params, "bad_words_token_ids", None):
+        return False
+    if getattr(params, "min_tokens", 0) and num_output_tokens < params.min_tokens:
+        return False
+    if getattr(params, "structured_outputs", None) is not None:
+        return False
+    if getattr(params, "logits_processors", None):
+        return False
+    if getattr(params, "logprob_token_ids", None):
+        return False
+    extra = getattr(params, "extra_args", None) or {}
+    if extra.get("thinking_token_budget") is not None:
+        return False
+    return True
+
+
+@dataclasses.dataclass
+class VerifyStep:
+    """Tree requests of one verify step (batch order), filled by the runner."""
+
+    req_index: torch.Tensor      # [Bt] batch rows that carry a tree
+    tree: TreeBatch              # [Bt, T]
+    prefix_len: torch.Tensor     # [Bt] position of each root (= computed tokens)
+    token_start: torch.Tensor    # [Bt] flat query index of each root
+    logit_start: torch.Tensor    # [Bt] logits row of each root
+    num_reqs: int
+    hidden_states: torch.Tensor | None = None
+    aux_hidden_states: list[torch.Tensor] | None = None
+
+
+def _node_rows(step: VerifyStep) -> torch.Tensor:
+    """[Bt, T] logits row of every node (padding nodes read the root's row)."""
+    T = step.tree.tree_size
+    offs = torch.arange(T, device=step.logit_start.device).unsqueeze(0)
+    offs = torch.where(step.tree.valid, offs, torch.zeros_like(offs))
+    return step.logit_start.unsqueeze(1) + offs
+
+
+def _paths_outputs(step: VerifyStep, output_token_ids: list[list[int]]) -> list[list[int]]:
+    """Generated-so-far token list for every node row (output + its path)."""
+    tree = step.tree
+    tokens = tree.token.tolist()
+    anc = tree.ancestors.tolist()
+    depth = tree.depth.tolist()
+    out = []
+    for i, b in enumerate(step.req_index.tolist()):
+        base = output_token_ids[b] if b < len(output_token_ids) else []
+        for node in range(tree.tree_size):
+            path = anc[i][node][1: depth[i][node] + 1]
+            out.append(base + [tokens[i][p] for p in path])
+    return out
+
+
+def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
+    """[Bt, T, V] float32 logits of every node after the request's processing,
+    before temperature (what greedy takes the argmax of)."""
+    Bt, T = step.tree.batch_size, step.tree.tree_size
+    rows = _node_rows(step).reshape(-1)
+    x = logits[rows].float()  # [Bt*T, V]
+    req_rows = step.req_index.repeat_interleave(T)
+    if md.allowed_token_ids_mask is not None:
+        x.masked_fill_(md.allowed_token_ids_mask[req_rows], float("-inf"))
+    if not md.no_penalties:
+        x = apply_all_penalties(x, md.prompt_token_ids[req_rows],
+                                md.presence_penalties[req_rows],
+                                md.frequency_penalties[req_rows],
+                                md.repetition_penalties[req_rows],
+                                _paths_outputs(step, md.output_token_ids))
+    return x.view(Bt, T, -1)
+
+
+def node_probs(processed: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
+    """[Bt, T, V] target next-token distribution at every node (random requests)."""
+    Bt, T, V = processed.shape
+    idx = step.req_index
+    temp = md.temperature[idx].float().clamp_min(SAMPLING_EPS)
+    x = processed / temp.view(Bt, 1, 1)
+    k = md.top_k[idx].repeat_interleave(T) if md.top_k is not None else None
+    p = md.top_p[idx].repeat_interleave(T) if md.top_p is not None else None
+    x = apply_top_k_top_p(x.reshape(Bt * T, V), k, p)
+    return torch.softmax(x, dim=-1).view(Bt, T, V)
+
+
+def _random_draws(step: VerifyStep, md, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms [Bt, D, C] and Exp(1) noise [Bt, V]; seeded requests use their own
+    generator so their outputs are reproducible."""
+    tree = step.tree
+    Bt, D, C = tree.batch_size, tree.max_depth, tree.max_children
+    dev = tree.device
+    uniforms = torch.rand(Bt, D, C, device=dev)
+    noise = torch.empty(Bt, vocab, device=dev).exponential_()
+    if md.generators:
+        for i, b in enumerate(step.req_index.tolist()):
+            gen = md.generators.get(b)
+            if gen is not None:
+                uniforms[i] = torch.rand(D, C, device=dev, generator=gen)
+                noise[i].exponential_(generator=gen)
+    return uniforms, noise
+
+
+def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
+                      step: VerifyStep) -> tuple[SamplerOutput, Acceptance]:
+    num_reqs = step.num_reqs
+    dev = logits.device
+    num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
+    first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
+    # 1. vLLM's sampler on one row per request (non-tree requests' output).
+    base = sampler(logits=logits[first_rows], sampling_metadata=md)
+    # 2. Tree requests: node distributions and acceptance.
+    processed = processed_node_logits(logits, step, md)
+    greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
+        else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
+    acc = greedy_accept(step.tree, processed.argmax(-1))
+    if not bool(greedy.all()):
+        probs = node_probs(processed, step, md)
+        uniforms, noise = _random_draws(step, md, probs.shape[-1])
+        acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
+    width = acc.tokens.shape[1]
+    out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32, device=dev)
+    out[:, 0] = base.sampled_token_ids[:, 0]
+    out[step.req_index] = acc.tokens.to(torch.int32)
+    logprobs = None
+    if md.max_num_logprobs is not None and base.logprobs_tensors is not None:
+        logprobs = _logprobs(sampler, logits, processed, step, md, acc, base, width)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs), acc
+
+
+def _logprobs(sampler, logits, processed, step, md, acc, base, width) -> LogprobsTensors:
+    """Per emitted token: logprobs from the node row that produced it."""
+    num_reqs = step.num_reqs
+    b_ids, b_lp, b_rank = base.logprobs_tensors[:3]
+    K1 = b_ids.shape[1]
+    ids = b_ids.new_zeros(num_reqs, width, K1)
+    lps = b_lp.new_zeros(num_reqs, width, K1)
+    ranks = b_rank.new_zeros(num_reqs, width)
+    ids[:, 0], lps[:, 0], ranks[:, 0] = b_ids, b_lp, b_rank
+    Bt = step.tree.batch_size
+    mode = sampler.logprobs_mode
+    rows = torch.gather(_node_rows(step), 1, acc.path)                  # [Bt, width]
+    if mode.startswith("processed"):
+        src = processed.view(Bt * step.tree.tree_size, -1)
+        src_rows = (torch.arange(Bt, device=rows.device).unsqueeze(1) * step.tree.tree_size
+                    + acc.path).reshape(-1)
+        x = src[src_rows]
+    else:
+        x = logits[rows.reshape(-1)].float()
+    if not mode.endswith("logits"):
+        x = x.log_softmax(-1)
+    tokens = acc.tokens.reshape(-1).clamp_min(0).long()
+    t = sampler.gather_logprobs(x, md.max_num_logprobs, tokens)
+    ids[step.req_index] = t.logprob_token_ids.view(Bt, width, K1).to(ids.dtype)
+    lps[step.req_index] = t.logprobs.view(Bt, width, K1).to(lps.dtype)
+    ranks[step.req_index] = t.selected_token_ranks.view(Bt, width).to(ranks.dtype)
+    return LogprobsTensors(ids.view(-1, K1), lps.view(-1, K1), ranks.view(-1))

@@ -1,0 +1,29 @@
+"""Worker classes selected (``parallel_config.worker_cls``) in tree mode.
+
+Each builds the device's stock model runner with the tree mixin, by swapping the
+runner class name the stock worker instantiates for the duration of
+``init_device`` only, and installs the device's tree attention backend first.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_treespec.vllm_glue import cpu_attention
+from vllm_treespec.vllm_glue.runner import tree_cpu_runner_class
+
+
+class TreeCPUWorker(CPUWorker):
+    def init_device(self):
+        import vllm.v1.worker.cpu_worker as cpu_worker
+
+        cpu_attention.install()
+        model_config, cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
+        cpu_attention.probe_kv_layout(model_config.dtype, cache_config.block_size,
+                                      model_config.get_head_size())
+        stock = cpu_worker.CPUModelRunner
+        cpu_worker.CPUModelRunner = tree_cpu_runner_class(stock)
+        try:
+            super().init_device()
+        finally:
+            cpu_worker.CPUModelRunner = stock
