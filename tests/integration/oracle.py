@@ -63,10 +63,36 @@ def oracle_tree(rng: random.Random, truth: list[int], budget: int, vocab: int,
     return tokens, parents
 
 
-def install(worker, reference: dict, seed: int = 0, vocab: int = 49152) -> bool:
+def trie_tree(trie: dict, context: tuple, budget: int) -> tuple[list[int], list[int]]:
+    """BFS tree of the most frequent observed continuations of ``context``.
+
+    ``trie`` maps a token tuple (output so far) to {next token: count}; children
+    are ranked by count, best first. This is what a good drafter looks like at
+    temperature > 0: several likely branches per node.
+    """
+    tokens, parents = [], []
+    frontier = [(0, context)]
+    while frontier and len(tokens) < budget:
+        nxt = []
+        for node, ctx in frontier:
+            for tok, _ in sorted(trie.get(ctx, {}).items(), key=lambda kv: -kv[1]):
+                if len(tokens) >= budget:
+                    break
+                tokens.append(tok)
+                parents.append(node)
+                nxt.append((len(tokens), ctx + (tok,)))
+        frontier = nxt
+    return tokens, parents
+
+
+def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
+            mode: str = "greedy") -> bool:
     """collective_rpc target: wrap the worker's tree drafter with the oracle.
 
-    reference: {prompt token ids joined by ',': greedy output token ids}
+    mode "greedy": reference = {prompt ids joined by ',': greedy output ids}; the
+        tree hides the greedy continuation among decoys.
+    mode "trie": reference = {prompt key: list of sampled outputs}; the tree holds
+        the most frequent observed continuations of the current output.
     """
     from vllm_treespec.vllm_glue.proposer import ProposedTree
 
@@ -74,6 +100,15 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152) -> bool:
     drafter = runner.drafter
     original = drafter.propose
     rng = random.Random(seed)
+    tries = {}
+    if mode == "trie":
+        for key, samples in reference.items():
+            trie: dict = {}
+            for out in samples:
+                for k in range(len(out)):
+                    counts = trie.setdefault(tuple(out[:k]), {})
+                    counts[out[k]] = counts.get(out[k], 0) + 1
+            tries[key] = trie
 
     def propose(self, *args, **kwargs):
         drafts = original(*args, **kwargs)
@@ -87,12 +122,18 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152) -> bool:
             if not drafts[b]:
                 continue  # not allowed a tree (sampling params) or budget 0
             state = runner.requests[req_id]
-            ref = reference.get(",".join(map(str, state.prompt_token_ids)))
-            if ref is None:
+            key = ",".join(map(str, state.prompt_token_ids))
+            if key not in reference:
                 continue
-            root_index = int(prefix[b]) - len(state.prompt_token_ids)
-            truth = ref[root_index + 1:]
-            tokens, parents = oracle_tree(rng, truth, len(drafts[b]), vocab)
+            if mode == "trie":
+                # Output so far: committed tokens + what this step emitted.
+                emitted = [t for t in runner.last_sampled_token_ids[b].tolist() if t >= 0]
+                context = tuple(state.output_token_ids) + tuple(emitted)
+                tokens, parents = trie_tree(tries[key], context, len(drafts[b]))
+            else:
+                root_index = int(prefix[b]) - len(state.prompt_token_ids)
+                truth = reference[key][root_index + 1:]
+                tokens, parents = oracle_tree(rng, truth, len(drafts[b]), vocab)
             drafts[b] = tokens
             self.proposed[req_id] = ProposedTree(tokens, parents)
         return drafts
@@ -104,3 +145,19 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152) -> bool:
 def tree_metrics(worker) -> dict:
     """collective_rpc target: the worker's cumulative tree metrics."""
     return worker.model_runner.tree_metrics.total.summary()
+
+
+def break_stochastic_acceptance(worker) -> bool:
+    """collective_rpc target (negative control): replace lossless stochastic
+    acceptance by greedy acceptance on the same distributions — the "silent
+    greedy fallback at T>0" bug. Tests use it to show they can detect bias."""
+    import torch
+
+    from vllm_treespec.tree import greedy_accept
+    from vllm_treespec.vllm_glue import tree_sampler
+
+    def greedy_instead(tree, probs, uniforms=None, noise=None, generator=None):
+        return greedy_accept(tree, torch.argmax(probs, dim=-1))
+
+    tree_sampler.stochastic_accept = greedy_instead
+    return True

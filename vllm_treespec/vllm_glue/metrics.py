@@ -1,18 +1,24 @@
 """Tree speculation metrics collected in the worker.
 
-Counts per verified tree: acceptance length (accepted drafts + bonus), accepted
-depth histogram (per-depth acceptance), tree size, and per-step stage times
-(draft, verify forward, accept, commit). Logged periodically with vLLM's logger;
-see ``vllm_treespec.observability`` for traces and the Prometheus export.
+Per verified tree: acceptance length (accepted drafts + bonus), accepted depth
+(per-depth acceptance), tree size; per step: draft, verify forward, accept and
+commit times. Cumulative counters go to the frontend through the stats file
+(``/metrics`` and the periodic log, see ``stat_logger``); without a frontend
+(offline ``LLM``) the worker logs a summary itself every 10 s. Optional JSONL
+traces (``trace_dir``) get one line per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
+from typing import Any
 
 import torch
+
+from vllm_treespec.observability import STATS_ENV, StatsFile, TraceWriter, trace_dir_from
 
 logger = logging.getLogger("vllm_treespec")
 
@@ -35,74 +41,125 @@ class Totals:
         for d, c in enumerate(counts):
             self.accepted_at_depth[d] += c
 
-    def summary(self) -> dict:
-        trees = max(self.trees, 1)
-        return {
-            "steps": self.steps, "trees": self.trees,
-            "mean_accept_len": self.emitted / trees,
-            "mean_tree_size": self.nodes / trees,
-            "per_depth_acceptance": [c / trees for c in self.accepted_at_depth],
-            "draft_ms_per_step": 1e3 * self.draft_s / max(self.steps, 1),
-            "forward_ms_per_step": 1e3 * self.forward_s / max(self.steps, 1),
-            "accept_ms_per_step": 1e3 * self.accept_s / max(self.steps, 1),
-            "commit_ms_per_step": 1e3 * self.commit_s / max(self.steps, 1),
-        }
+    def summary(self) -> dict[str, Any]:
+        return summarize(dataclasses.asdict(self))
+
+
+def summarize(t: dict[str, Any]) -> dict[str, Any]:
+    """Rates from raw counters (also used by the frontend on counter deltas)."""
+    trees, steps = max(t["trees"], 1), max(t["steps"], 1)
+    return {
+        "steps": t["steps"], "trees": t["trees"],
+        "mean_accept_len": t["emitted"] / trees,
+        "mean_tree_size": t["nodes"] / trees,
+        "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
+        "draft_ms_per_step": 1e3 * t["draft_s"] / steps,
+        "forward_ms_per_step": 1e3 * t["forward_s"] / steps,
+        "accept_ms_per_step": 1e3 * t["accept_s"] / steps,
+        "commit_ms_per_step": 1e3 * t["commit_s"] / steps,
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
+            "[%s]; per step: draft %.1f ms, verify forward %.1f ms, accept %.1f ms, "
+            "commit %.1f ms" % (
+                s["mean_accept_len"], s["mean_tree_size"],
+                ", ".join(f"{x:.2f}" for x in s["per_depth_acceptance"]),
+                s["draft_ms_per_step"], s["forward_ms_per_step"], s["accept_ms_per_step"],
+                s["commit_ms_per_step"]))
 
 
 class TreeMetrics:
-    def __init__(self, log_interval_s: float = 10.0):
+    def __init__(self, trace: TraceWriter | None = None, stats_path: str | None = None,
+                 log_interval_s: float = 10.0):
         self.total = Totals()
         self.window = Totals()
-        self.log_interval_s = log_interval_s
+        self.trace = trace
+        self.stats = StatsFile(stats_path)
+        # A frontend exports and logs the counters; log here only without one.
+        self.log_interval_s = None if stats_path else log_interval_s
         self._last_log = time.monotonic()
-        self.on_step = []  # callbacks(step_record: dict) — traces
+        self._pending: dict[str, Any] | None = None
+        self._forward_s = 0.0
 
     @classmethod
     def from_vllm_config(cls, vllm_config, tree_cfg) -> "TreeMetrics":
-        return cls()
+        trace = None
+        directory = trace_dir_from(getattr(tree_cfg, "trace_dir", None))
+        if directory:
+            spec = vllm_config.speculative_config
+            trace = TraceWriter(directory, {
+                "model": vllm_config.model_config.model,
+                "drafter": getattr(getattr(spec, "draft_model_config", None), "model", None),
+                "tree_config": tree_cfg.to_dict(),
+                "engine": {"dtype": str(vllm_config.model_config.dtype),
+                           "max_model_len": vllm_config.model_config.max_model_len,
+                           "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+                           "max_num_batched_tokens":
+                               vllm_config.scheduler_config.max_num_batched_tokens,
+                           "block_size": vllm_config.cache_config.block_size,
+                           "device": str(vllm_config.device_config.device)}})
+        return cls(trace=trace, stats_path=os.environ.get(STATS_ENV))
+
+    def _both(self):
+        return (self.total, self.window)
 
     def on_forward(self, seconds: float, step) -> None:
+        self._flush_trace()
+        self._forward_s = seconds if step is not None else 0.0
         if step is not None:
-            for t in (self.total, self.window):
+            for t in self._both():
                 t.forward_s += seconds
 
     def on_verify(self, step, acc, accept_s: float, commit_s: float, req_ids) -> None:
         a = acc.num_accepted
-        num_nodes = step.tree.num_nodes
-        depth_hist = torch.bincount(a, minlength=step.tree.max_depth + 1).tolist()
-        # accepted_at_depth[d] = trees that accepted at least d+1 drafts
+        tree = step.tree
+        depth_hist = torch.bincount(a, minlength=tree.max_depth + 1).tolist()
+        # accepted_at_depth[d]: trees that accepted at least d+1 drafts
         at_least = [sum(depth_hist[d + 1:]) for d in range(len(depth_hist) - 1)]
-        for t in (self.total, self.window):
+        for t in self._both():
             t.steps += 1
-            t.trees += step.tree.batch_size
-            t.nodes += int(num_nodes.sum())
-            t.emitted += int(a.sum()) + step.tree.batch_size
+            t.trees += tree.batch_size
+            t.nodes += int(tree.num_nodes.sum())
+            t.emitted += int(a.sum()) + tree.batch_size
             t.add_depths(at_least)
             t.accept_s += accept_s
             t.commit_s += commit_s
-        record = {"req_ids": req_ids, "num_nodes": num_nodes.tolist(),
-                  "accepted": a.tolist(), "accept_ms": 1e3 * accept_s,
-                  "commit_ms": 1e3 * commit_s}
-        for cb in self.on_step:
-            cb(record, step, acc)
-        self.maybe_log()
+        if self.trace is not None:
+            lists = tree.to_lists()
+            paths, tokens = acc.path.tolist(), acc.tokens.tolist()
+            prefix = step.prefix_len.tolist()
+            self._pending = {
+                "batch": step.num_reqs,
+                "requests": [{"id": rid, "prefix_len": prefix[i], "nodes": len(lists[i]["token"]) - 1,
+                              "tokens": lists[i]["token"], "parents": lists[i]["parent"],
+                              "accepted": int(a[i]), "path": paths[i][: int(a[i]) + 1],
+                              "emitted": [x for x in tokens[i] if x >= 0]}
+                             for i, rid in enumerate(req_ids)],
+                "ms": {"forward": round(1e3 * self._forward_s, 3),
+                       "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
+        self.stats.publish(dataclasses.asdict(self.total))
+        self._maybe_log()
 
     def on_draft(self, seconds: float) -> None:
-        for t in (self.total, self.window):
+        for t in self._both():
             t.draft_s += seconds
+        if self._pending is not None:
+            self._pending["ms"]["draft"] = round(1e3 * seconds, 3)
+        self._flush_trace()
 
-    def maybe_log(self) -> None:
+    def _flush_trace(self) -> None:
+        if self.trace is not None and self._pending is not None:
+            self.trace.step(self._pending)
+        self._pending = None
+
+    def _maybe_log(self) -> None:
+        if self.log_interval_s is None:
+            return
         now = time.monotonic()
         if now - self._last_log < self.log_interval_s or not self.window.trees:
             return
-        s = self.window.summary()
-        logger.info(
-            "eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth "
-            "acceptance %s; per step: draft %.1f ms, verify forward %.1f ms, accept %.1f ms, "
-            "commit %.1f ms",
-            s["mean_accept_len"], s["mean_tree_size"],
-            "[" + ", ".join(f"{x:.2f}" for x in s["per_depth_acceptance"]) + "]",
-            s["draft_ms_per_step"], s["forward_ms_per_step"], s["accept_ms_per_step"],
-            s["commit_ms_per_step"])
+        logger.info(format_summary(self.window.summary()))
         self.window = Totals()
         self._last_log = now

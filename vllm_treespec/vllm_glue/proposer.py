@@ -146,7 +146,7 @@ class TreeEagleProposer(EagleProposer):
             level = builder.next_level(logprobs)
         trees = builder.finish(next_token_ids[:batch_size].long())
         if self.tree_cfg.validate_invariants:
-            trees.validate()
+            trees = self._checked(trees, prefix_len)
         self.last_trees = trees
         drafts = self._hand_over(trees)
         self.last_draft_seconds = time.perf_counter() - t0
@@ -154,6 +154,26 @@ class TreeEagleProposer(EagleProposer):
         if metrics is not None:
             metrics.on_draft(self.last_draft_seconds)
         return drafts
+
+    def _checked(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
+        """Validate every tree; a request whose tree is malformed gets no drafts
+        this step (plain decoding is always correct) and the batch is dumped."""
+        from vllm_treespec.observability import dump_failure, trace_dir_from
+        from vllm_treespec.tree import TreeInvariantError
+
+        keep = trees.num_nodes.clone()
+        while True:
+            try:
+                trees.validate(vocab_size=self.runner.input_batch.vocab_size)
+                return trees
+            except TreeInvariantError as err:
+                req_ids = self.runner.input_batch.req_ids
+                dump_failure(err, {"stage": "draft", "request_id": req_ids[err.request],
+                                   "trees": trees.to_lists(), "prefix_len": prefix_len.tolist(),
+                                   "req_ids": list(req_ids[: trees.batch_size])},
+                             trace_dir_from(self.tree_cfg.trace_dir))
+                keep[err.request] = 0
+                trees = trees.truncated(keep)
 
     def _side_capacity(self) -> int:
         """Side-buffer columns one drafting step can use (all forwarded levels)."""

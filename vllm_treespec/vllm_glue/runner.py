@@ -93,12 +93,35 @@ class TreeRunnerMixin:
                           logit_start=torch.from_numpy(logit_start).to(dev),
                           num_reqs=num_reqs)
         if self.tree_cfg.validate_invariants:
-            tree.validate(vocab_size=self.input_batch.vocab_size)
+            tree = self._checked(tree, entries, roots, prefix)
         # Depth-based rotary positions; the slot mapping above stays linear.
         flat = step.token_start.unsqueeze(1) + tree.node_index
         pos = step.prefix_len.unsqueeze(1) + tree.depth
         self.positions[flat[tree.valid]] = pos[tree.valid]
         return step
+
+    def _checked(self, tree: TreeBatch, entries, roots, prefix) -> TreeBatch:
+        """Validate the scheduled trees; a malformed one is verified as a chain of
+        the same drafts instead (always correct) and the batch is dumped."""
+        from vllm_treespec.observability import dump_failure, trace_dir_from
+        from vllm_treespec.tree import TreeInvariantError
+
+        while True:
+            try:
+                tree.validate(vocab_size=self.input_batch.vocab_size)
+                return tree
+            except TreeInvariantError as err:
+                b = err.request
+                dump_failure(err, {"stage": "verify",
+                                   "request_id": self.input_batch.req_ids[entries[b][0]],
+                                   "trees": tree.to_lists(), "prefix_len": prefix.tolist()},
+                             trace_dir_from(self.tree_cfg.trace_dir))
+                n = len(entries[b][1])
+                entries[b] = (entries[b][0], entries[b][1], list(range(n)))
+                tree = TreeBatch.from_parents(
+                    [[r] + e[1] for r, e in zip(roots, entries)], [[0] + e[2] for e in entries],
+                    tree_size=tree.tree_size, max_children=tree.max_children,
+                    device=self.device)
 
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
@@ -138,6 +161,13 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------- sample
     def _sample(self, logits, spec_decode_metadata):
+        out = self._sample_tree_or_stock(logits, spec_decode_metadata)
+        # Emitted tokens of this step ([B, width], -1 padded) for the drafter's
+        # bookkeeping and traces, before vLLM's own bookkeeping runs.
+        self.last_sampled_token_ids = out.sampled_token_ids
+        return out
+
+    def _sample_tree_or_stock(self, logits, spec_decode_metadata):
         step = self._verify
         if step is None or spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)

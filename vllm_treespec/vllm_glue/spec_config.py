@@ -41,8 +41,13 @@ _FORBIDDEN_STOCK_KEYS = {
 }
 
 
-def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], TreeSpecConfig]:
-    """Split a user speculative-config dict into (stock eagle3 dict, tree config)."""
+def translate(spec: dict[str, Any], stock_keys: set[str] | None = None
+              ) -> tuple[dict[str, Any], TreeSpecConfig]:
+    """Split a user speculative-config dict into (stock eagle3 dict, tree config).
+
+    ``stock_keys``: the fields vLLM's SpeculativeConfig accepts; any other key that
+    is not a tree key is reported here, with both lists, rather than by pydantic.
+    """
     spec = {k.replace("-", "_"): v for k, v in spec.items()}
     if spec.get("method") != METHOD:
         raise ValueError(f"not an {METHOD} config")
@@ -55,6 +60,13 @@ def translate(spec: dict[str, Any]) -> tuple[dict[str, Any], TreeSpecConfig]:
         raise TreeSpecConfigError(
             f"{METHOD}: speculative-config key 'model' has invalid value "
             f"{spec.get('model')!r}; allowed: the path or name of an EAGLE-3 drafter")
+    if stock_keys is not None:
+        unknown = sorted(k for k in spec if k not in stock_keys and k not in TreeSpecConfig.keys())
+        if unknown:
+            raise TreeSpecConfigError(
+                f"{METHOD}: unknown speculative-config key(s) {unknown}; tree keys are "
+                f"{list(TreeSpecConfig.keys())}, plus vLLM's speculative-config keys "
+                f"(e.g. 'model', 'draft_tensor_parallel_size', 'max_model_len')")
     tree_raw = {k: spec.pop(k) for k in list(spec) if k in TreeSpecConfig.keys()}
     tree = TreeSpecConfig.from_dict(tree_raw)
     stock = dict(spec, method="eagle3", num_speculative_tokens=tree.num_nodes)
@@ -71,6 +83,14 @@ def tree_config_from_vllm(vllm_config: Any) -> TreeSpecConfig | None:
 WORKERS = {
     "cpu": "vllm_treespec.vllm_glue.workers.TreeCPUWorker",
 }
+
+
+def _stock_keys() -> set[str]:
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    return {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
 def _select_worker(parallel_config: Any) -> None:
@@ -90,6 +110,39 @@ def _select_worker(parallel_config: Any) -> None:
     parallel_config.worker_cls = WORKERS[kind]
 
 
+def _enable_frontend_metrics() -> None:
+    """Hand tree counters from the worker to this (frontend) process.
+
+    The stats file path is passed through the environment, which the engine and
+    worker processes started after this point inherit; vLLM's stat-logger list
+    gets the tree logger appended (only in this process, only in tree mode).
+    """
+    import os
+    import tempfile
+
+    from vllm_treespec.observability import STATS_ENV
+
+    if not os.environ.get(STATS_ENV):
+        fd, path = tempfile.mkstemp(prefix="vllm-treespec-stats-", suffix=".json")
+        os.close(fd)
+        os.environ[STATS_ENV] = path
+    try:
+        import vllm.v1.engine.async_llm as async_llm
+    except ImportError:
+        return
+    original = async_llm.load_stat_logger_plugin_factories
+    if getattr(original, "_treespec_wrapped", False):
+        return
+
+    def factories():
+        from vllm_treespec.vllm_glue.stat_logger import TreeStatLogger
+
+        return [*original(), TreeStatLogger]
+
+    factories._treespec_wrapped = True  # type: ignore[attr-defined]
+    async_llm.load_stat_logger_plugin_factories = factories
+
+
 def patch_engine_args() -> None:
     """Wrap ``EngineArgs.create_speculative_config`` (idempotent)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -101,7 +154,7 @@ def patch_engine_args() -> None:
     def create_speculative_config(self, *args, **kwargs):
         spec = self.speculative_config
         if isinstance(spec, dict) and spec.get("method") == METHOD:
-            stock, tree = translate(spec)
+            stock, tree = translate(spec, _stock_keys())
             if getattr(self, "async_scheduling", None):
                 raise TreeSpecConfigError(
                     f"{METHOD}: engine argument 'async_scheduling' has invalid value "
@@ -114,6 +167,7 @@ def patch_engine_args() -> None:
             extra[ADDITIONAL_CONFIG_KEY] = tree.to_dict()
             self.additional_config = extra
             self.speculative_config = stock
+            _enable_frontend_metrics()
             logger.info("%s: %s", METHOD, tree)
         return original(self, *args, **kwargs)
 

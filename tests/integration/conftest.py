@@ -1,0 +1,69 @@
+"""Fixtures for tests that run real vLLM engines on the CPU (SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_TIMEOUT_S = 900
+
+
+def base_engine(target: Path, **overrides) -> dict:
+    """Engine settings shared by the integration tests (fp32: greedy comparisons
+    between differently shaped batches must not hinge on bf16 rounding)."""
+    engine = {"model": str(target), "compilation_config": {"mode": 0},
+              "max_model_len": 2048, "seed": 0, "dtype": "float32", "max_num_seqs": 8}
+    engine.update(overrides)
+    return engine
+
+
+def run_engine(spec: dict, workdir: Path, name: str) -> dict:
+    """Run ``tests.integration.engine_run`` on ``spec`` in a fresh process."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
+    log_path = workdir / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(ROOT))
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_run",
+                               str(spec_path), str(out_path)], cwd=ROOT, env=env,
+                              stdout=log, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
+    if proc.returncode != 0:
+        tail = log_path.read_text()[-6000:]
+        raise AssertionError(f"engine run {name!r} failed (rc={proc.returncode}):\n{tail}")
+    return json.loads(out_path.read_text())
+
+
+@pytest.fixture(scope="session")
+def target_dir() -> Path:
+    from vllm_treespec.assets import cache_home, ensure_target
+
+    home = cache_home()
+    home.mkdir(parents=True, exist_ok=True)
+    return ensure_target(home)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.fixture(scope="session")
+def random_drafter(target_dir, tmp_path_factory) -> Path:
+    from tests.integration.drafters import random_eagle3_drafter
+
+    return random_eagle3_drafter(target_dir, tmp_path_factory.mktemp("drafter"))
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engines")

@@ -1,0 +1,87 @@
+"""Greedy eagle3_tree output is token-identical to decoding without speculation.
+
+Real SmolLM2-135M on the CPU, 24 chat prompts x 128 tokens, with the oracle
+drafter (see ``oracle.py``) so that trees are accepted deeply, at random
+branches, and the KV commit runs on nearly every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import base_engine, run_engine
+from tests.integration.prompts import chat_token_ids
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 128
+TREE = {"method": "eagle3_tree", "num_nodes": 16, "depth": 6, "top_k": 4}
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir, tokenizer, engine_dir):
+    prompts = chat_token_ids(tokenizer)
+    spec = {"engine": base_engine(target_dir), "prompts": prompts,
+            "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}}
+    out = run_engine(spec, engine_dir, "greedy_reference")
+    outputs = [o[0] for o in out["outputs"]]
+    return prompts, outputs, {",".join(map(str, p)): o for p, o in zip(prompts, outputs)}
+
+
+def tree_spec(target_dir, drafter, prompts, ref_map, seed, **engine):
+    return {"engine": base_engine(target_dir, speculative_config=dict(TREE, model=str(drafter)),
+                                  **engine),
+            "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
+            "oracle": {"reference": ref_map, "seed": seed}}
+
+
+def assert_identical(outputs, expected):
+    bad = [(i, next((k for k, (a, b) in enumerate(zip(o[0], e)) if a != b), None))
+           for i, (o, e) in enumerate(zip(outputs, expected)) if o[0] != e]
+    assert not bad, f"{len(bad)} prompts differ (prompt, first differing token): {bad}"
+
+
+def assert_deep_acceptance(tree: dict, min_mean: float):
+    assert tree["trees"] > 0
+    assert tree["mean_accept_len"] >= min_mean, tree
+    depth = tree["per_depth_acceptance"]
+    assert len(depth) >= 6 and depth[5] > 0, f"no acceptance at depth 6: {tree}"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, reference,
+                                           engine_dir):
+    prompts, expected, ref_map = reference
+    spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=batch,
+                     max_num_seqs=batch)
+    spec["batch"] = 1 if batch == 1 else "all"
+    out = run_engine(spec, engine_dir, f"greedy_tree_b{batch}")
+    assert_identical(out["outputs"], expected)
+    assert_deep_acceptance(out["tree"], min_mean=3.0)
+
+
+def test_chunked_prefill_truncated_trees_and_early_finishes(target_dir, random_drafter,
+                                                            reference, engine_dir):
+    """A 48-token step budget chunks every prompt and cuts trees short (the
+    scheduler truncates drafts; BFS order keeps each prefix a tree); requests
+    stop at different lengths, so batches mix prefill chunks, plain decodes,
+    truncated and full trees."""
+    prompts, expected, ref_map = reference
+    spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=3,
+                     max_num_batched_tokens=48, enable_chunked_prefill=True)
+    lengths = [MAX_TOKENS - 7 * (i % 9) for i in range(len(prompts))]
+    spec["max_tokens_per_prompt"] = lengths
+    out = run_engine(spec, engine_dir, "greedy_tree_chunked")
+    assert_identical(out["outputs"], [e[:n] for e, n in zip(expected, lengths)])
+    assert out["tree"]["mean_tree_size"] < TREE["num_nodes"], "budget never truncated a tree"
+    assert out["tree"]["mean_accept_len"] > 1.5
+
+
+def test_preemption_and_recompute(target_dir, random_drafter, reference, engine_dir):
+    """A KV cache too small for all requests forces preemption and recompute."""
+    prompts, expected, ref_map = reference
+    spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=4,
+                     num_gpu_blocks_override=48, block_size=16, max_model_len=512)
+    out = run_engine(spec, engine_dir, "greedy_tree_preempt")
+    assert_identical(out["outputs"], expected)
+    assert out["preemptions"] > 0

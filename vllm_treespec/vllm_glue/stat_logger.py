@@ -1,0 +1,97 @@
+"""Frontend export of tree metrics: Prometheus ``/metrics`` and the periodic log.
+
+The worker publishes cumulative counters to ``$VLLM_TREESPEC_STATS_FILE``; this
+stat logger (added to vLLM's stat loggers only when ``eagle3_tree`` is
+configured) turns them into Prometheus series on every engine step and logs a
+summary at vLLM's log interval. Series:
+
+    vllm_treespec:trees_total, vllm_treespec:draft_nodes_total,
+    vllm_treespec:emitted_tokens_total (accepted drafts + bonus),
+    vllm_treespec:accepted_at_depth_total{depth}, vllm_treespec:stage_seconds_total{stage},
+    vllm_treespec:mean_acceptance_length, vllm_treespec:mean_tree_size (since start)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import prometheus_client
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from vllm_treespec.observability import STATS_ENV, StatsFile
+from vllm_treespec.vllm_glue.metrics import format_summary, summarize
+
+logger = logging.getLogger("vllm_treespec")
+_METRICS: dict[str, object] = {}
+
+
+def _metric(kind, name, doc, labels=()):
+    # One set of series per process, whatever the number of loggers created.
+    if name not in _METRICS:
+        _METRICS[name] = kind(name, doc, list(labels))
+    return _METRICS[name]
+
+
+class TreeStatLogger(StatLoggerBase):
+    def __init__(self, vllm_config, engine_index: int = 0):
+        self.path = os.environ.get(STATS_ENV)
+        self.engine_index = engine_index
+        self.model = vllm_config.model_config.served_model_name
+        self._seen: dict | None = None
+        self._logged: dict | None = None
+        C, G = prometheus_client.Counter, prometheus_client.Gauge
+        self.trees = _metric(C, "vllm_treespec:trees", "Verified draft trees")
+        self.nodes = _metric(C, "vllm_treespec:draft_nodes", "Draft nodes verified")
+        self.emitted = _metric(C, "vllm_treespec:emitted_tokens",
+                               "Tokens emitted by tree steps (accepted drafts + bonus)")
+        self.at_depth = _metric(C, "vllm_treespec:accepted_at_depth",
+                                "Trees that accepted at least `depth` draft tokens", ["depth"])
+        self.stage = _metric(C, "vllm_treespec:stage_seconds",
+                             "Time spent per stage of tree speculation", ["stage"])
+        self.mean_len = _metric(G, "vllm_treespec:mean_acceptance_length",
+                                "Mean acceptance length (accepted drafts + bonus) since start")
+        self.mean_size = _metric(G, "vllm_treespec:mean_tree_size",
+                                 "Mean draft tree size since start")
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        now = StatsFile.read(self.path)
+        if now is None or now == self._seen:
+            return
+        before = self._seen or {"trees": 0, "nodes": 0, "emitted": 0, "accepted_at_depth": [],
+                                "draft_s": 0.0, "forward_s": 0.0, "accept_s": 0.0,
+                                "commit_s": 0.0}
+        if now["trees"] < before["trees"]:  # worker restarted
+            before = {k: (0 if not isinstance(v, list) else []) for k, v in before.items()}
+        self.trees.inc(now["trees"] - before["trees"])
+        self.nodes.inc(now["nodes"] - before["nodes"])
+        self.emitted.inc(now["emitted"] - before["emitted"])
+        prev = before["accepted_at_depth"]
+        for d, c in enumerate(now["accepted_at_depth"]):
+            self.at_depth.labels(depth=str(d + 1)).inc(c - (prev[d] if d < len(prev) else 0))
+        for stage, key in (("draft", "draft_s"), ("verify_forward", "forward_s"),
+                           ("accept", "accept_s"), ("commit", "commit_s")):
+            self.stage.labels(stage=stage).inc(max(0.0, now[key] - before[key]))
+        s = summarize(now)
+        self.mean_len.set(s["mean_accept_len"])
+        self.mean_size.set(s["mean_tree_size"])
+        self._seen = now
+
+    def log(self):
+        now = self._seen
+        if now is None:
+            return
+        base = self._logged
+        if base is not None and now["trees"] == base["trees"]:
+            return
+        if base is None or now["trees"] < base["trees"]:
+            window = now
+        else:
+            window = {k: (v - base[k] if not isinstance(v, list) else
+                          [c - (base[k][i] if i < len(base[k]) else 0) for i, c in enumerate(v)])
+                      for k, v in now.items()}
+        logger.info(format_summary(summarize(window)))
+        self._logged = now
+
+    def log_engine_initialized(self):
+        logger.info("eagle3_tree: tree metrics exported as vllm_treespec:* on /metrics")
