@@ -15,8 +15,6 @@ goes straight to the stock implementation.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -24,42 +22,11 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_treespec.attention import (
-    PagedTreeAttentionMetadata,
+    DraftTreeLevelMetadata,
+    TreeVerifyRows,
     paged_tree_attention,
     prefix_side_attention,
 )
-
-
-@dataclasses.dataclass
-class TreeVerifyRows:
-    """Tree rows of a verify batch, in the reference's terms (shared by all layers).
-
-    rows: [Nt] flat query-token indices of the tree requests' tokens
-    meta: reference metadata over those rows only (queries re-packed densely)
-    """
-
-    rows: torch.Tensor
-    meta: PagedTreeAttentionMetadata
-
-
-@dataclasses.dataclass
-class DraftTreeLevelMetadata:
-    """Attention metadata of one tree-drafting level (drafter layers only).
-
-    The level's B*F frontier tokens are queries; their K/V go to side-buffer
-    columns ``[side_offset, side_offset + F)``; ``side_mask`` [B, F, side_offset+F]
-    says which side entries each frontier node sees (ancestors and itself).
-    """
-
-    batch_size: int
-    width: int
-    side_offset: int
-    side_capacity: int
-    prefix_len: torch.Tensor
-    max_prefix_len: int
-    block_table: torch.Tensor
-    block_size: int
-    side_mask: torch.Tensor
 
 
 def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
-from vllm_treespec.vllm_glue.cpu_attention import DraftTreeLevelMetadata
+from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 

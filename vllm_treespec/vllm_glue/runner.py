@@ -1,5 +1,5 @@
-"""Tree verification inside vLLM's model runner (CPU runner here; the NPU runner
-reuses the same mixin).
+"""Tree verification inside vLLM's model runner. The mixin is device-agnostic;
+a device runner adds only its KV-cache layout (``_kv_views``).
 
 Per step, for requests whose scheduled draft tokens are a tree:
 
@@ -23,7 +23,8 @@ import torch
 
 from vllm_treespec.tree import TreeBatch, apply_compaction, compaction_plan, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata
-from vllm_treespec.vllm_glue.cpu_attention import TreeVerifyRows, kv_views
+from vllm_treespec.attention import TreeVerifyRows
+from vllm_treespec.vllm_glue.cpu_attention import kv_views
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
@@ -213,10 +214,14 @@ class TreeRunnerMixin:
         self.positions[flat] = lin
 
     def _kv_views(self, cache: torch.Tensor):
-        """[blocks, block_size, ...] views of one layer's cache (device layout)."""
-        head_size = cache.shape[-1] // 2
-        return kv_views(cache, head_size)
+        """[blocks, block_size, ...] views of one layer's K and V (device layout)."""
+        raise NotImplementedError
+
+
+class _CPUKVLayout:
+    def _kv_views(self, cache: torch.Tensor):
+        return kv_views(cache, cache.shape[-1] // 2)
 
 
 def tree_cpu_runner_class(base: type) -> type:
-    return type("TreeCPUModelRunner", (TreeRunnerMixin, base), {})
+    return type("TreeCPUModelRunner", (_CPUKVLayout, TreeRunnerMixin, base), {})

@@ -1,0 +1,45 @@
+"""What a tree-attention backend receives from the runner and the drafter.
+
+Both objects are device-agnostic and shared by every backend (CPU, Ascend,
+reference); each backend only decides how to compute the same function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm_treespec.attention.reference import PagedTreeAttentionMetadata
+
+
+@dataclasses.dataclass
+class TreeVerifyRows:
+    """Tree rows of a verify batch, in the reference's terms (shared by all layers).
+
+    rows: [Nt] flat query-token indices of the tree requests' tokens
+    meta: reference metadata over those rows only (queries re-packed densely)
+    """
+
+    rows: torch.Tensor
+    meta: PagedTreeAttentionMetadata
+
+
+@dataclasses.dataclass
+class DraftTreeLevelMetadata:
+    """Attention metadata of one tree-drafting level (drafter layers only).
+
+    The level's B*F frontier tokens are queries; their K/V go to side-buffer
+    columns ``[side_offset, side_offset + F)``; ``side_mask`` [B, F, side_offset+F]
+    says which side entries each frontier node sees (ancestors and itself).
+    """
+
+    batch_size: int
+    width: int
+    side_offset: int
+    side_capacity: int
+    prefix_len: torch.Tensor
+    max_prefix_len: int
+    block_table: torch.Tensor
+    block_size: int
+    side_mask: torch.Tensor
