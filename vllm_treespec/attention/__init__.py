@@ -6,6 +6,7 @@ mask and all other rows are causal. The reference implementation is the oracle
 the device paths are tested against and the eager fallback on any device.
 """
 
+from vllm_treespec.attention import cpu_layout
 from vllm_treespec.attention.metadata import DraftTreeLevelMetadata, TreeVerifyRows
 from vllm_treespec.attention.reference import (
     PagedTreeAttentionMetadata,
@@ -15,5 +16,5 @@ from vllm_treespec.attention.reference import (
     prefix_side_attention,
 )
 
-__all__ = ["DraftTreeLevelMetadata", "TreeVerifyRows", "PagedTreeAttentionMetadata", "attention_mask", "gather_paged_kv",
+__all__ = ["cpu_layout", "DraftTreeLevelMetadata", "TreeVerifyRows", "PagedTreeAttentionMetadata", "attention_mask", "gather_paged_kv",
            "paged_tree_attention", "prefix_side_attention"]

@@ -19,10 +19,16 @@ class TreeVerifyRows:
 
     rows: [Nt] flat query-token indices of the tree requests' tokens
     meta: reference metadata over those rows only (queries re-packed densely)
+    covers_batch: every query row of the step is a tree row (no other requests),
+        so a backend can skip its regular kernel entirely
+    scratch: per-step, layer-independent values a backend derives once (masks,
+        indices) and reuses in every layer
     """
 
     rows: torch.Tensor
     meta: PagedTreeAttentionMetadata
+    covers_batch: bool = False
+    scratch: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -43,3 +49,5 @@ class DraftTreeLevelMetadata:
     block_table: torch.Tensor
     block_size: int
     side_mask: torch.Tensor
+    # Shared by all levels of one drafting step (e.g. a backend's gathered prefix).
+    scratch: dict = dataclasses.field(default_factory=dict)

@@ -21,27 +21,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
 )
 
-from vllm_treespec.attention import (
-    DraftTreeLevelMetadata,
-    TreeVerifyRows,
-    paged_tree_attention,
-    prefix_side_attention,
-)
-
-
-def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a CPU paged cache as [blocks, block_size, KVH, Dh] views.
-
-    The CPU kernels (ISA "vec"/"vec16") store, per block and KV head, K transposed
-    ([Dh, block_size]) followed by V ([block_size, Dh]) inside the
-    ``[blocks, KVH, block_size, 2*Dh]`` allocation. ``probe_kv_layout`` checks this
-    against the real write kernel at startup.
-    """
-    nb, kvh, bs, _ = kv_cache.shape
-    flat = kv_cache.view(nb, kvh, 2 * bs * head_size)
-    k = flat[..., : bs * head_size].view(nb, kvh, head_size, bs).permute(0, 3, 1, 2)
-    v = flat[..., bs * head_size:].view(nb, kvh, bs, head_size).permute(0, 2, 1, 3)
-    return k, v
+from vllm_treespec.attention import DraftTreeLevelMetadata, TreeVerifyRows, cpu_layout
+from vllm_treespec.attention.cpu_layout import kv_views
 
 
 def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
@@ -76,13 +57,17 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 output_scale=None, output_block_scale=None):
         if isinstance(attn_metadata, DraftTreeLevelMetadata):
             return self._draft_level(query, key, value, kv_cache, attn_metadata, output)
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
-                                 output_scale, output_block_scale)
         tree: TreeVerifyRows | None = getattr(attn_metadata, "tree_verify", None)
+        if tree is None or not tree.covers_batch:
+            # Native kernel (causal) for every row; tree rows are redone below.
+            output = super().forward(layer, query, key, value, kv_cache, attn_metadata,
+                                     output, output_scale, output_block_scale)
         if tree is not None:
-            k_cache, v_cache = kv_views(kv_cache, self.head_size)
+            plan = tree.scratch.get("cpu_plan")
+            if plan is None:  # built by the first layer, reused by the others
+                plan = tree.scratch["cpu_plan"] = cpu_layout.plan(tree.meta, query.dtype)
             q = query[tree.rows].view(-1, self.num_heads, self.head_size)
-            out = paged_tree_attention(q, k_cache, v_cache, tree.meta, self.scale)
+            out = cpu_layout.tree_attention(q, kv_cache, plan, self.scale)
             output[tree.rows] = out.reshape((out.shape[0],) + output.shape[1:]).to(output.dtype)
         return output
 
@@ -97,11 +82,13 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         lo, hi = md.side_offset, md.side_offset + F
         side[0, :B, lo:hi] = key[: B * F].view(B, F, self.num_kv_heads, D)
         side[1, :B, lo:hi] = value[: B * F].view(B, F, self.num_kv_heads, D)
-        k_cache, v_cache = kv_views(kv_cache, D)
+        prefix = md.scratch.get(id(self))
+        if prefix is None:  # the committed prefix is the same for every level
+            prefix = md.scratch[id(self)] = cpu_layout.gather_prefix(
+                kv_cache, md.block_table, md.prefix_len, md.max_prefix_len, D, query.dtype)
         q = query[: B * F].view(B, F, self.num_heads, D)
-        out = prefix_side_attention(q, k_cache, v_cache, md.block_table, md.block_size,
-                                    md.prefix_len, side[0, :B, :hi], side[1, :B, :hi],
-                                    md.side_mask, self.scale, md.max_prefix_len)
+        out = cpu_layout.prefix_side_attention(q, *prefix, side[0, :B, :hi], side[1, :B, :hi],
+                                               md.side_mask, self.scale)
         output[: B * F] = out.reshape((B * F,) + output.shape[1:]).to(output.dtype)
         return output
 

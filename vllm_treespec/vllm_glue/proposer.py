@@ -115,6 +115,7 @@ class TreeEagleProposer(EagleProposer):
         side_offset = 0
         max_prefix = int(prefix_len.max()) if batch_size else 0
         block_table = cad.block_table_tensor[:batch_size]
+        scratch: dict = {}  # per-step backend state shared by the levels
         while not builder.done and level.tokens.shape[1] > 0:
             F = level.tokens.shape[1]
             slot = level.parent_slot                                   # [B, F]
@@ -129,7 +130,8 @@ class TreeEagleProposer(EagleProposer):
             md = DraftTreeLevelMetadata(
                 batch_size=batch_size, width=F, side_offset=side_offset,
                 side_capacity=side_capacity, prefix_len=prefix_len, max_prefix_len=max_prefix,
-                block_table=block_table, block_size=self.block_size, side_mask=side_mask)
+                block_table=block_table, block_size=self.block_size, side_mask=side_mask,
+                scratch=scratch)
             n = batch_size * F
             with set_forward_context({name: md for name in self._draft_attn_layer_names},
                                      self.vllm_config, num_tokens=n,

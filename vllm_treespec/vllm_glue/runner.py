@@ -24,7 +24,7 @@ import torch
 from vllm_treespec.tree import TreeBatch, apply_compaction, compaction_plan, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
-from vllm_treespec.vllm_glue.cpu_attention import kv_views
+from vllm_treespec.attention.cpu_layout import kv_views
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
@@ -147,7 +147,8 @@ class TreeRunnerMixin:
             block_table=bt.get_device_tensor(step.num_reqs)[step.req_index],
             block_size=bt.block_size, tree_mask=tree_mask(tree),
             max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
-        return TreeVerifyRows(rows=rows, meta=meta)
+        total = int(self.query_start_loc.np[step.num_reqs])
+        return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total)
 
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
