@@ -96,6 +96,9 @@ class TreeSpecConfig:
         the failing batch (slow; for debugging).
     trace_dir: write a run manifest and per-step JSONL traces there (also
         enabled by ``$VLLM_TREESPEC_TRACE_DIR``).
+    adaptive: size each step's trees with a live cost model (fewer nodes, a
+        shallower tree, or no speculation at all as the batch grows); with
+        false, every request gets the full ``num_nodes``/``depth`` tree.
     """
 
     num_nodes: int = 32
@@ -105,6 +108,7 @@ class TreeSpecConfig:
     exec_mode: str = "fused"
     validate_invariants: bool = False
     trace_dir: str | None = None
+    adaptive: bool = True
 
     # --- derived -------------------------------------------------------
     @property
@@ -151,6 +155,7 @@ class TreeSpecConfig:
         if self.exec_mode not in EXEC_MODES:
             raise _fail("exec_mode", self.exec_mode, " or ".join(repr(m) for m in EXEC_MODES))
         _bool("validate_invariants", self.validate_invariants)
+        _bool("adaptive", self.adaptive)
         if self.trace_dir is not None and (not isinstance(self.trace_dir, str)
                                            or not self.trace_dir):
             raise _fail("trace_dir", self.trace_dir, "a directory path (string) or null")

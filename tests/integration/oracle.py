@@ -135,7 +135,7 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
                 truth = reference[key][root_index + 1:]
                 tokens, parents = oracle_tree(rng, truth, len(drafts[b]), vocab)
             drafts[b] = tokens
-            self.proposed[req_id] = ProposedTree(tokens, parents)
+            self.proposed[req_id] = ProposedTree(tokens, parents, [0.0] * len(tokens))
         return drafts
 
     drafter.propose = types.MethodType(propose, drafter)

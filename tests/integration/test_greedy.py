@@ -15,7 +15,7 @@ from tests.integration.prompts import chat_token_ids
 pytestmark = pytest.mark.vllm
 
 MAX_TOKENS = 128
-TREE = {"method": "eagle3_tree", "num_nodes": 16, "depth": 6, "top_k": 4}
+TREE = {"method": "eagle3_tree", "num_nodes": 16, "depth": 6, "top_k": 4, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,19 @@ def test_preemption_and_recompute(target_dir, random_drafter, reference, engine_
     out = run_engine(spec, engine_dir, "greedy_tree_preempt")
     assert_identical(out["outputs"], expected)
     assert out["preemptions"] > 0
+
+
+def test_adaptive_budget_turns_off_useless_speculation(target_dir, random_drafter, reference,
+                                                       engine_dir):
+    """A random drafter is never worth verifying: the adaptive budget (on by
+    default) must stop speculating after its cost model has seen that, except for
+    occasional probes — and the output stays identical."""
+    prompts, expected, _ = reference
+    spec = {"engine": base_engine(target_dir, speculative_config={
+                "method": "eagle3_tree", "model": str(random_drafter), "num_nodes": 16,
+                "depth": 6, "top_k": 4}),
+            "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}}
+    out = run_engine(spec, engine_dir, "greedy_tree_adaptive")
+    assert_identical(out["outputs"], expected)
+    emitted = sum(len(o[0]) for o in out["outputs"])
+    assert out["tree"]["trees"] < 0.25 * emitted, out["tree"]

@@ -35,7 +35,7 @@ SETTINGS = [
 N = 800          # samples per prompt per engine
 N_CONTROL = 200  # the biased rule is far off; fewer samples suffice
 LENGTH = 4       # tokens per sample
-TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4}
+TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adaptive": False}
 
 
 def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):

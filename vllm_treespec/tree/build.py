@@ -155,8 +155,17 @@ class DynamicTreeBuilder:
                      parent_slot=torch.div(best, k, rounding_mode="floor"),
                      depth=self._level, node_id=self._frontier_id)
 
-    def finish(self, root_tokens: torch.Tensor) -> TreeBatch:
-        """Rerank all candidates to each request's budget, in BFS order."""
+    def candidate_scores(self) -> torch.Tensor:
+        """[B, N] cumulative draft log-probs of all candidates so far (root excluded)."""
+        return self.scores[:, 1:self._next_free]
+
+    def finish(self, root_tokens: torch.Tensor, budget: torch.Tensor | None = None) -> TreeBatch:
+        """Rerank all candidates to each request's budget, in BFS order.
+
+        ``budget`` overrides the per-request budgets given at construction.
+        """
+        if budget is not None:
+            self.budget = budget.to(self.device, torch.long).clamp(0, self.M)
         used = self._next_free
         scores, tokens, parents = (self.scores[:, :used], self.tokens[:, :used],
                                    self.parents[:, :used])
@@ -304,7 +313,12 @@ class StaticTreeBuilder:
     def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
         return self._fill(frontier_logprobs)
 
-    def finish(self, root_tokens: torch.Tensor) -> TreeBatch:
+    def candidate_scores(self) -> torch.Tensor:
+        return self.score[:, 1:]
+
+    def finish(self, root_tokens: torch.Tensor, budget: torch.Tensor | None = None) -> TreeBatch:
+        if budget is not None:
+            self.budget = budget.to(self.device, torch.long).clamp(0, self.topo.num_nodes)
         T = self.topo.num_nodes + 1
         parent = torch.tensor(self.topo.parent, device=self.device).expand(self.B, T)
         depth = torch.tensor(self.topo.depth, device=self.device).expand(self.B, T)

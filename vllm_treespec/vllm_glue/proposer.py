@@ -37,6 +37,7 @@ class ProposedTree:
 
     tokens: list[int]   # draft tokens, BFS order (root excluded)
     parents: list[int]  # parent node index of each draft node (root = 0)
+    probs: list[float]  # draft probability of reaching each node (exp of its score)
 
 
 class TreeEagleProposer(EagleProposer):
@@ -50,8 +51,9 @@ class TreeEagleProposer(EagleProposer):
         self.proposed: dict[str, ProposedTree] = {}
         self.last_draft_seconds = 0.0
         self.last_trees: TreeBatch | None = None
-        # Per-request budget override (adaptive policies); None = config budget.
-        self.budget_fn = None
+        # Set by the runner when the adaptive budget is on (vllm_treespec.policy).
+        self.policy = None
+        self.last_depth = cfg.depth
 
     # ------------------------------------------------------------------ drafts
     def _draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -69,13 +71,14 @@ class TreeEagleProposer(EagleProposer):
             self._token_map_cache = cached
         return cached
 
-    def _builder(self, batch_size: int, budget: torch.Tensor | None):
+    def _builder(self, batch_size: int, depth: int):
         cfg = self.tree_cfg
         if self.topology is not None:
-            return StaticTreeBuilder(batch_size, self.topology, self.device, budget,
+            return StaticTreeBuilder(batch_size, self.topology, self.device, None,
                                      self._token_map())
-        return DynamicTreeBuilder(batch_size, cfg.top_k, cfg.depth, cfg.num_nodes,
-                                  self.device, budget, self._token_map())
+        candidates = cfg.top_k + (depth - 1) * cfg.top_k * cfg.top_k
+        return DynamicTreeBuilder(batch_size, cfg.top_k, depth, min(cfg.num_nodes, candidates),
+                                  self.device, None, self._token_map())
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -98,6 +101,13 @@ class TreeEagleProposer(EagleProposer):
                                  slot_mapping=self._get_slot_mapping(num_tokens,
                                                                      cad.slot_mapping)):
             last_hidden, hidden = self.model(**model_kwargs)
+        t_first = time.perf_counter()
+        depth = self.policy.plan_depth(batch_size) if self.policy is not None \
+            else self.tree_cfg.depth
+        self.last_depth = depth
+        if depth == 0:  # not worth speculating this step; the drafter KV is in sync
+            self._observe_draft(batch_size, 0, num_tokens, t_first - t0, 0.0)
+            return self._hand_over(None)
         root_hidden = hidden[token_indices_to_sample]               # [B, d]
         root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
 
@@ -106,8 +116,7 @@ class TreeEagleProposer(EagleProposer):
         prefix_len = cad.seq_lens[:batch_size].long()
         if num_rejected_tokens_gpu is not None:
             prefix_len = prefix_len - num_rejected_tokens_gpu[:batch_size].long()
-        budget = self.budget_fn(batch_size) if self.budget_fn is not None else None
-        builder = self._builder(batch_size, budget)
+        builder = self._builder(batch_size, depth)
         level = builder.first_level(root_logprobs)
         parent_hidden = root_hidden.unsqueeze(1)                    # [B, 1, d]
         parent_mask = torch.zeros(batch_size, 1, 0, dtype=torch.bool, device=self.device)
@@ -116,7 +125,9 @@ class TreeEagleProposer(EagleProposer):
         max_prefix = int(prefix_len.max()) if batch_size else 0
         block_table = cad.block_table_tensor[:batch_size]
         scratch: dict = {}  # per-step backend state shared by the levels
+        levels_run = 0
         while not builder.done and level.tokens.shape[1] > 0:
+            levels_run += 1
             F = level.tokens.shape[1]
             slot = level.parent_slot                                   # [B, F]
             h_in = torch.gather(parent_hidden, 1,
@@ -146,7 +157,12 @@ class TreeEagleProposer(EagleProposer):
             parent_mask = side_mask
             side_offset += F
             level = builder.next_level(logprobs)
-        trees = builder.finish(next_token_ids[:batch_size].long())
+        budget = None
+        if self.policy is not None and self.topology is None:
+            budget = self.policy.select(builder.candidate_scores(), builder.M)
+        trees = builder.finish(next_token_ids[:batch_size].long(), budget)
+        self._observe_draft(batch_size, levels_run, num_tokens,
+                            t_first - t0, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         self.last_trees = trees
@@ -185,12 +201,22 @@ class TreeEagleProposer(EagleProposer):
                               if i in set(self.topology.parent[1:])) + 1)
         return max(1, cfg.top_k * (cfg.depth - 1))
 
-    def _hand_over(self, trees: TreeBatch) -> list[list[int]]:
+    def _observe_draft(self, batch: int, levels: int, first_tokens: int, first_s: float,
+                       levels_s: float) -> None:
+        if self.policy is not None:
+            self.policy.observe_draft(batch, self.tree_cfg.top_k, levels, first_tokens,
+                                      first_s, levels_s)
+
+    def _hand_over(self, trees: TreeBatch | None) -> list[list[int]]:
         """Draft token lists for the scheduler; remember each tree's shape."""
+        req_ids = self.runner.input_batch.req_ids
+        if trees is None:
+            self.forget(req_ids)
+            return [[] for _ in req_ids]
         tokens = trees.token.cpu().numpy()
         parents = trees.parent.cpu().numpy()
+        probs = torch.exp(trees.score.float()).cpu().numpy()
         num = trees.num_nodes.cpu().numpy()
-        req_ids = self.runner.input_batch.req_ids
         allowed = self.runner.tree_allowed_mask(len(req_ids))
         out: list[list[int]] = []
         for b, req_id in enumerate(req_ids):
@@ -198,14 +224,16 @@ class TreeEagleProposer(EagleProposer):
             draft = tokens[b, 1: n + 1].tolist()
             out.append(draft)
             if n:
-                self.proposed[req_id] = ProposedTree(draft, parents[b, 1: n + 1].tolist())
+                self.proposed[req_id] = ProposedTree(draft, parents[b, 1: n + 1].tolist(),
+                                                     probs[b, 1: n + 1].tolist())
             else:
                 self.proposed.pop(req_id, None)
         return out
 
     # ------------------------------------------------------------------ verify
-    def tree_for(self, req_id: str, scheduled: list[int]) -> tuple[list[int], list[int]]:
-        """(tokens, parents) of the scheduled drafts, root excluded.
+    def tree_for(self, req_id: str, scheduled: list[int]
+                 ) -> tuple[list[int], list[int], float]:
+        """(tokens, parents, predicted accepted drafts) of the scheduled drafts.
 
         The scheduler may have truncated the drafts (token budget, max length): BFS
         order keeps any prefix a valid tree. Drafts that do not match what was
@@ -215,8 +243,8 @@ class TreeEagleProposer(EagleProposer):
         n = len(scheduled)
         tree = self.proposed.get(req_id)
         if tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled):
-            return tree.tokens[:n], tree.parents[:n]
-        return list(scheduled), list(range(n))
+            return tree.tokens[:n], tree.parents[:n], float(sum(tree.probs[:n]))
+        return list(scheduled), list(range(n)), 0.0
 
     def forget(self, req_ids) -> None:
         for r in req_ids:

@@ -16,11 +16,13 @@ Per step, for requests whose scheduled draft tokens are a tree:
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
 import torch
 
+from vllm_treespec.policy import AdaptiveBudget
 from vllm_treespec.tree import TreeBatch, apply_compaction, compaction_plan, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
@@ -31,6 +33,9 @@ from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
 
 
+logger = logging.getLogger("vllm_treespec")
+
+
 class TreeRunnerMixin:
     """Mixed into a vLLM model runner class; inert for batches without trees."""
 
@@ -38,9 +43,76 @@ class TreeRunnerMixin:
         super().__init__(vllm_config, device)
         self.tree_cfg = tree_config_from_vllm(vllm_config)
         if hasattr(self, "drafter"):
-            self.drafter = TreeEagleProposer(vllm_config, self.device, self)
+            self.drafter = self._tree_proposer_class()(vllm_config, self.device, self)
         self._verify: VerifyStep | None = None
         self.tree_metrics = TreeMetrics.from_vllm_config(vllm_config, self.tree_cfg)
+        self.tree_policy: AdaptiveBudget | None = None
+        if self.tree_cfg.adaptive and hasattr(self, "drafter"):
+            cfg = self.tree_cfg
+            self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.max_children)
+            self.drafter.policy = self.tree_policy
+        self._step_start: float | None = None
+        self._step_tokens = 0
+        self._step_is_decode = False
+
+    # ------------------------------------------------------------- cost model
+    def warming_up_model(self) -> None:
+        super().warming_up_model()
+        self._calibrate_step_cost()
+
+    def _calibrate_step_cost(self) -> None:
+        """Seed the adaptive budget's cost model: time forwards (+ logits) of a few
+        batch sizes. Live steps refine it; these points keep it identifiable."""
+        policy = self.tree_policy
+        if policy is None:
+            return
+        limit = self.scheduler_config.max_num_batched_tokens
+        for n in (n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= limit):
+            times = []
+            for _ in range(3):
+                self._sync_device()
+                t0 = time.perf_counter()
+                out = self._dummy_run(n)
+                hidden = out[0] if isinstance(out, tuple) else out
+                self.model.compute_logits(hidden[:n])
+                self._sync_device()  # device time, not launch time
+                times.append(time.perf_counter() - t0)
+            policy.step_cost.add_prior(n, sorted(times)[1], weight=2.0)
+        coeff = policy.step_cost.coefficients()
+        if coeff is not None:
+            logger.info("eagle3_tree: step cost model %.1f ms + %.3f ms/token (adaptive budget)",
+                        1e3 * coeff[0], 1e3 * coeff[1])
+
+    def sample_tokens(self, grammar_output):
+        out = super().sample_tokens(grammar_output)
+        policy = self.tree_policy
+        if policy is not None and self._step_start is not None and self._step_is_decode:
+            drafted = getattr(self.drafter, "last_draft_seconds", 0.0)
+            policy.observe_step(self._step_tokens,
+                                time.perf_counter() - self._step_start - drafted)
+        self._step_start = None
+        return out
+
+    # ------------------------------------------------------------- device hooks
+    def _tree_proposer_class(self) -> type:
+        """The tree drafter class (a device may put it on its own EAGLE proposer)."""
+        return TreeEagleProposer
+
+    def _kv_views(self, cache) -> tuple[torch.Tensor, ...]:
+        """[blocks, block_size, ...] views of one layer's K and V (device layout)."""
+        raise NotImplementedError
+
+    def _kv_layer_views(self):
+        """K/V views of every layer's cache, each storage once."""
+        seen = set()
+        for cache in self.kv_caches:
+            if cache is None:
+                continue
+            views = self._kv_views(cache)
+            key = views[0].data_ptr()
+            if key not in seen:
+                seen.add(key)
+                yield views
 
     # ------------------------------------------------------------- policy
     def tree_allowed_mask(self, num_reqs: int) -> list[bool]:
@@ -62,6 +134,13 @@ class TreeRunnerMixin:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_md = super()._prepare_inputs(scheduler_output,
                                                           num_scheduled_tokens)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(drafts.get(r, ())) for r in self.input_batch.req_ids],
+                              dtype=np.int64)
+        # Cost-model samples: steps where every request decodes (no prefill chunk).
+        self._step_is_decode = bool(np.all(num_scheduled_tokens == 1 + num_drafts))
+        self._step_tokens = int(num_scheduled_tokens.sum())
+        self._step_start = time.perf_counter()
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
             self._verify = self._make_verify_step(scheduler_output, spec_md)
@@ -92,7 +171,8 @@ class TreeRunnerMixin:
                           prefix_len=torch.from_numpy(prefix).to(dev),
                           token_start=torch.from_numpy(token_start).to(dev),
                           logit_start=torch.from_numpy(logit_start).to(dev),
-                          num_reqs=num_reqs)
+                          num_reqs=num_reqs, predicted=sum(e[3] for e in entries),
+                          depth=getattr(self.drafter, "last_depth", tree.max_depth))
         if self.tree_cfg.validate_invariants:
             tree = self._checked(tree, entries, roots, prefix)
         # Depth-based rotary positions; the slot mapping above stays linear.
@@ -118,7 +198,7 @@ class TreeRunnerMixin:
                                    "trees": tree.to_lists(), "prefix_len": prefix.tolist()},
                              trace_dir_from(self.tree_cfg.trace_dir))
                 n = len(entries[b][1])
-                entries[b] = (entries[b][0], entries[b][1], list(range(n)))
+                entries[b] = (entries[b][0], entries[b][1], list(range(n)), 0.0)
                 tree = TreeBatch.from_parents(
                     [[r] + e[1] for r, e in zip(roots, entries)], [[0] + e[2] for e in entries],
                     tree_size=tree.tree_size, max_children=tree.max_children,
@@ -179,6 +259,9 @@ class TreeRunnerMixin:
                                      self.input_batch.sampling_metadata, step)
         t1 = time.perf_counter()
         self._commit(step, acc)
+        if self.tree_policy is not None:
+            self.tree_policy.observe_acceptance(acc.num_accepted.tolist(), step.depth,
+                                                step.predicted)
         self.tree_metrics.on_verify(step, acc, t1 - t0, time.perf_counter() - t1,
                                     [self.input_batch.req_ids[i]
                                      for i in step.req_index.tolist()])
@@ -192,12 +275,8 @@ class TreeRunnerMixin:
             bt = self.input_batch.block_table[0]
             block_table = bt.get_device_tensor(step.num_reqs)[step.req_index]
             src, dst = plan.slots(step.prefix_len, block_table, bt.block_size)
-            seen = set()
-            for cache in self.kv_caches:
-                if cache is None or cache.data_ptr() in seen:
-                    continue
-                seen.add(cache.data_ptr())
-                for view in self._kv_views(cache):
+            for views in self._kv_layer_views():
+                for view in views:
                     apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
             moves = plan.src != plan.dst
             tok_src = (step.token_start.unsqueeze(1) + plan.src)[moves]
@@ -213,10 +292,6 @@ class TreeRunnerMixin:
         flat = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
         lin = (step.prefix_len.unsqueeze(1) + tree.node_index)[tree.valid]
         self.positions[flat] = lin
-
-    def _kv_views(self, cache: torch.Tensor):
-        """[blocks, block_size, ...] views of one layer's K and V (device layout)."""
-        raise NotImplementedError
 
 
 class _CPUKVLayout:

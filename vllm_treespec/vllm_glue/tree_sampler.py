@@ -75,6 +75,8 @@ class VerifyStep:
     token_start: torch.Tensor    # [Bt] flat query index of each root
     logit_start: torch.Tensor    # [Bt] logits row of each root
     num_reqs: int
+    predicted: float = 0.0       # sum of draft probabilities of the verified nodes
+    depth: int = 0               # drafting depth that produced these trees
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
 

@@ -27,3 +27,12 @@ class TreeCPUWorker(CPUWorker):
             super().init_device()
         finally:
             cpu_worker.CPUModelRunner = stock
+
+
+def __getattr__(name: str):
+    # The Ascend worker imports torch_npu and vllm_ascend: load it only on request.
+    if name == "TreeNPUWorker":
+        from vllm_treespec.vllm_glue.ascend import TreeNPUWorker
+
+        return TreeNPUWorker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

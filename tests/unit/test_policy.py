@@ -1,0 +1,96 @@
+"""Adaptive speculation budget: cost model fit, depth decisions, batch-wide node selection."""
+
+import random
+
+import pytest
+import torch
+
+from vllm_treespec.policy import AdaptiveBudget, LinearFit, probability_sum
+
+
+def test_linear_fit_recovers_cost_and_stays_identifiable_with_a_prior():
+    rng = random.Random(0)
+    fit = LinearFit()
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        fit.add_prior(n, 0.040 + 0.001 * n)
+    # Live steps all of one size (batch 1, full trees) and noisy.
+    for _ in range(300):
+        fit.add(33, 0.040 + 0.033 + rng.gauss(0, 0.002))
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.040, abs=0.004)
+    assert b == pytest.approx(0.001, rel=0.15)
+    assert LinearFit().coefficients() is None
+
+
+def policy(base=0.040, per_token=0.001, accept=(0.8, 0.6, 0.45, 0.3, 0.2, 0.1)):
+    p = AdaptiveBudget(num_nodes=32, depth=6, width=8, probe_every=0)
+    for n in (1, 4, 16, 64, 256):
+        p.step_cost.add_prior(n, base + per_token * n)
+    p.accepted_at = list(accept)
+    return p
+
+
+def test_deep_trees_when_verification_is_cheap_and_none_when_it_is_not():
+    cheap = policy(per_token=0.0001)
+    assert cheap.plan_depth(1) >= 4
+    costly = policy(per_token=0.01)
+    assert costly.plan_depth(32) == 0
+    # Same costs, growing batch: speculation shrinks monotonically, then stops.
+    p = policy(per_token=0.001)
+    depths = [p.plan_depth(b) for b in (1, 4, 16, 64)]
+    assert depths == sorted(depths, reverse=True) and depths[0] > 0 and depths[-1] == 0
+
+
+def test_useless_drafter_turns_speculation_off():
+    p = policy(accept=(0.0,) * 6)
+    assert p.plan_depth(1) == 0
+
+
+def test_probes_refresh_statistics_even_when_off():
+    p = policy(accept=(0.0,) * 6)
+    p.probe_every = 5
+    assert [p.plan_depth(1) for _ in range(10)].count(6) == 2
+
+
+def test_acceptance_observations_calibrate_and_update_rates():
+    p = policy()
+    for _ in range(50):
+        p.observe_acceptance([3, 0, 1, 2], depth_used=6, predicted=12.0)
+    assert p.kappa == pytest.approx(0.5, rel=0.05)
+    assert p.accepted_at[0] == pytest.approx(0.75, abs=0.02)
+    assert p.accepted_at[3] == pytest.approx(0.0, abs=0.02)
+
+
+def test_select_keeps_the_best_nodes_batch_wide():
+    p = policy(per_token=0.001)
+    gen = torch.Generator().manual_seed(0)
+    # Request 0 has confident drafts, request 1 hopeless ones.
+    good = torch.log(torch.linspace(0.9, 0.3, 20))
+    bad = torch.log(torch.full((20,), 1e-4))
+    budgets = p.select(torch.stack([good, bad]), max_nodes=16)
+    assert budgets[0] > 0 and budgets[1] == 0
+    # Free verification: everything up to the cap; prohibitive: nothing.
+    assert p.select(torch.stack([good, bad]) , 16).tolist() == budgets.tolist()
+    free = policy(per_token=0.0)
+    assert free.select(torch.log(torch.rand(3, 40, generator=gen)), 16).tolist() == [16] * 3
+    assert policy(per_token=10.0).select(torch.stack([good, good]), 16).tolist() == [0, 0]
+
+
+def test_selected_nodes_are_each_requests_best():
+    """The batch-wide cut is a per-request top-n by score: with the dynamic
+    builder's strictly decreasing scores, that set is ancestor-closed."""
+    p = policy(per_token=0.002)
+    gen = torch.Generator().manual_seed(1)
+    scores = torch.log(torch.rand(4, 30, generator=gen))
+    budgets = p.select(scores, 24)
+    q = torch.exp(scores)
+    kept = [set(torch.topk(q[b], int(budgets[b])).indices.tolist()) for b in range(4)]
+    threshold = min(min(q[b, list(k)].tolist()) for b, k in enumerate(kept) if k)
+    for b in range(4):
+        dropped = set(range(30)) - kept[b]
+        assert all(q[b, i] <= threshold for i in dropped)
+
+
+def test_probability_sum_counts_only_verified_nodes():
+    scores = torch.log(torch.tensor([[1.0, 0.5, 0.25, 0.1]]))
+    assert probability_sum(scores, torch.tensor([2])) == pytest.approx(0.75)

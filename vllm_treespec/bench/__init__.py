@@ -1,0 +1,190 @@
+"""`vllm-treespec bench`: side-by-side serving benchmarks, one server per method.
+
+    vllm-treespec bench --suite pangu240 --limit 10 --methods none,eagle3,eagle3_tree --out DIR
+
+Every method is served in turn on 127.0.0.1 with identical flags; turns run at
+concurrency 1 (per-turn tok/s, speedup vs the first method, acceptance length
+from /metrics deltas), then at each extra ``--concurrency`` level (aggregate
+throughput). Writes DIR/summary.json, DIR/summary.md, PNG plots, per-turn
+results, the materialised dataset (usable by ``vllm bench serve``), and each
+server's log. Methods take options: ``eagle3:k=4``,
+``eagle3_tree:num_nodes=16,depth=5,top_k=4``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from vllm_treespec.bench import pangu240, report
+from vllm_treespec.bench.driver import Driver, TurnResult
+from vllm_treespec.bench.server import Server
+
+
+def parse_method(text: str, args) -> tuple[str, dict | None]:
+    """'eagle3_tree:num_nodes=16,depth=4' -> (label, speculative_config)."""
+    name, _, opts = text.partition(":")
+    kv = {}
+    for part in filter(None, opts.split(",")):
+        k, _, v = part.partition("=")
+        kv[k.strip()] = json.loads(v) if v.strip()[:1] in "[{0123456789-tf" else v.strip()
+    if name == "none":
+        return text, None
+    if name == "eagle3":
+        return text, {"method": "eagle3", "model": args.drafter,
+                      "num_speculative_tokens": int(kv.pop("k", args.eagle3_k)), **kv}
+    if name == "eagle3_tree":
+        tree = dict(json.loads(args.tree) if args.tree else {})
+        tree.update(kv)
+        return text, {"method": "eagle3_tree", "model": args.drafter, **tree}
+    raise SystemExit(f"bench: unknown method {name!r} (none, eagle3, eagle3_tree)")
+
+
+def split_methods(text: str) -> list[str]:
+    """'none,eagle3:k=4,eagle3_tree:num_nodes=16,depth=4' -> three methods: a comma
+    starts a new method only when a method name follows."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if out and part.split(":")[0] not in ("none", "eagle3", "eagle3_tree"):
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-treespec bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", default="pangu240", choices=["pangu240"])
+    p.add_argument("--limit", type=int, default=None, help="first N turns (interleaved mix)")
+    p.add_argument("--methods", default="none,eagle3,eagle3_tree")
+    p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16,32,64")
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
+    p.add_argument("--drafter", default=None, help="EAGLE-3 drafter (default: the embedded one)")
+    p.add_argument("--eagle3-k", type=int, default=3, help="chain length of stock eagle3")
+    p.add_argument("--tree", default=None, help="JSON of eagle3_tree settings")
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--serve-args", default="--dtype float32 --max-model-len 4096 --seed 0",
+                   help="extra flags given to every server (identical across methods)")
+    p.add_argument("--threads-bind", default=None,
+                   help="VLLM_CPU_OMP_THREADS_BIND for the servers (default: all cores)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model is None or args.drafter is None:
+        from vllm_treespec.assets import ensure_assets
+
+        assets = ensure_assets()
+        args.model = args.model or str(assets.target)
+        args.drafter = args.drafter or str(assets.drafter)
+    methods = [parse_method(m, args) for m in split_methods(args.methods)]
+    concurrency = sorted({int(c) for c in args.concurrency.split(",")} | {1})
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+           "VLLM_CPU_OMP_THREADS_BIND": args.threads_bind or os.environ.get(
+               "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
+    serve_args = shlex.split(args.serve_args)
+    if "--max-num-seqs" not in serve_args:
+        serve_args += ["--max-num-seqs", str(max(concurrency))]
+    turns = pangu240.build_turns(args.limit)
+    dataset_path = out / "dataset.jsonl"
+    log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    results: dict[str, list[TurnResult]] = {}
+    summary = {"suite": args.suite, "turns": len(turns), "max_tokens": args.max_tokens,
+               "temperature": args.temperature, "concurrency": concurrency,
+               "model": args.model, "drafter": args.drafter, "serve_args": serve_args,
+               "env": env, "command": "vllm-treespec bench " + " ".join(
+                   shlex.quote(a) for a in (argv if argv is not None else sys.argv[2:])),
+               "methods": {}}
+    resolved: list[pangu240.Turn] | None = None
+    for label, spec in methods:
+        log(f"{label}: starting server")
+        t_start = time.time()
+        with Server(args.model, serve_args, spec, out / f"server-{_slug(label)}.log",
+                    env=env) as server:
+            drv = Driver(server, args.max_tokens, args.temperature)
+            drv.run_turn(pangu240.Turn("warmup", "warmup",
+                                       [{"role": "user", "content": "Say hello."}]))
+            progress = lambda i, n, r: log(  # noqa: E731
+                f"{label}: {i}/{n} {r.turn_id} {r.output_tokens} tok {r.tok_s:.1f} tok/s"
+                + (f" accept {r.accept_len:.2f}" if r.accept_len else ""))
+            before = server.metrics()
+            if resolved is None:
+                # First method: run turns in order; second MT-Bench turns use this
+                # method's own first answers (identical across methods at T=0).
+                res_c1, answers, resolved = [], {}, []
+                for t in turns:
+                    if t.depends_on is not None:
+                        if t.depends_on not in answers:
+                            answers[t.depends_on] = drv.run_turn(
+                                pangu240.Turn(t.depends_on, t.source, t.messages[:1])).text
+                        t = pangu240.materialize([t], lambda _: "", known=answers)[0]
+                    resolved.append(t)
+                    r = drv.run_sequential([t])[0]
+                    res_c1.append(r)
+                    if t.turn_id.endswith("/1"):
+                        answers[t.turn_id] = r.text
+                    progress(len(res_c1), len(turns), r)
+                _write_dataset(resolved, dataset_path, args)
+            else:
+                res_c1 = drv.run_sequential(resolved, progress)
+            after = server.metrics()
+            results[label] = res_c1
+            none_by_turn = ({r.turn_id: r for r in results[methods[0][0]]}
+                            if label != methods[0][0] else None)
+            ms = {"c1": report.method_summary(res_c1, none_by_turn, (before, after)),
+                  "speculative_config": spec}
+            for c in concurrency[1:]:
+                log(f"{label}: concurrency {c}")
+                m0 = server.metrics()
+                res_c, wall = drv.run_concurrent(resolved, c)
+                s = report.method_summary(res_c, None, (m0, server.metrics()))
+                s["throughput_tok_s"] = sum(r.output_tokens for r in res_c) / wall
+                s["wall_s"] = wall
+                ms[f"c{c}"] = s
+            ms["c1"]["throughput_tok_s"] = (sum(r.output_tokens for r in res_c1)
+                                            / sum(r.e2e_s for r in res_c1))
+            ms["server_seconds"] = time.time() - t_start
+            summary["methods"][label] = ms
+        _write_turns(out / f"turns-{_slug(label)}.jsonl", res_c1)
+        report.write_json(out / "summary.json", summary)
+        log(f"{label}: done — {json.dumps(ms['c1'])}")
+    summary["plots"] = report.plots(summary, results, out)
+    report.write_json(out / "summary.json", summary)
+    (out / "summary.md").write_text(report.markdown(summary))
+    log(f"wrote {out / 'summary.json'} and {out / 'summary.md'}")
+    return 0
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
+
+
+def _write_turns(path: Path, results: list[TurnResult]) -> None:
+    with open(path, "w") as f:
+        for r in results:
+            f.write(json.dumps(dict(dataclasses.asdict(r), tok_s=r.tok_s, tpot_s=r.tpot_s))
+                    + "\n")
+
+
+def _write_dataset(turns, path: Path, args) -> None:
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+    except Exception:  # the dataset is still useful without templated prompts
+        tok = None
+    pangu240.write_jsonl(turns, path, tok, output_tokens=args.max_tokens)

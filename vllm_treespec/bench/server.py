@@ -1,0 +1,91 @@
+"""One OpenAI-compatible vLLM server per method, on 127.0.0.1, and its /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """{'name{labels}': value} for every sample line."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def metric_sum(metrics: dict[str, float], name: str) -> float:
+    """Sum of a series over all its label sets (e.g. over model_name/engine)."""
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+class Server:
+    """`vllm-treespec serve MODEL ...` in a subprocess; stopped by ``close``."""
+
+    def __init__(self, model: str, serve_args: list[str], speculative_config: dict | None,
+                 log_path: Path, served_name: str = "bench", env: dict | None = None,
+                 startup_timeout_s: float = 900):
+        self.port = free_port()
+        self.served_name = served_name
+        args = [sys.executable, "-m", "vllm_treespec", "serve", model,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--served-model-name", served_name, *serve_args]
+        if speculative_config:
+            args += ["--speculative-config", json.dumps(speculative_config)]
+        self.log_path = log_path
+        self.cmd = args
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + startup_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited during startup; log: {log_path}\n"
+                                   + log_path.read_text()[-3000:])
+            try:
+                urllib.request.urlopen(self.base_url + "/health", timeout=5)
+                return
+            except OSError:
+                time.sleep(2)
+        self.close()
+        raise RuntimeError(f"server did not start in {startup_timeout_s} s; log: {log_path}")
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.base_url + "/metrics", timeout=30).read().decode()
+        return parse_prometheus(text)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
