@@ -31,6 +31,7 @@ class Totals:
     emitted: int = 0          # accepted drafts + bonus tokens, over trees
     accepted_at_depth: list[int] = dataclasses.field(default_factory=list)
     draft_s: float = 0.0
+    prepare_s: float = 0.0
     forward_s: float = 0.0
     accept_s: float = 0.0
     commit_s: float = 0.0
@@ -54,6 +55,7 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "mean_tree_size": t["nodes"] / trees,
         "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
         "draft_ms_per_step": 1e3 * t["draft_s"] / steps,
+        "prepare_ms_per_step": 1e3 * t.get("prepare_s", 0.0) / steps,
         "forward_ms_per_step": 1e3 * t["forward_s"] / steps,
         "accept_ms_per_step": 1e3 * t["accept_s"] / steps,
         "commit_ms_per_step": 1e3 * t["commit_s"] / steps,
@@ -62,12 +64,12 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
 
 def format_summary(s: dict[str, Any]) -> str:
     return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
-            "[%s]; per step: draft %.1f ms, verify forward %.1f ms, accept %.1f ms, "
-            "commit %.1f ms" % (
+            "[%s]; per step: draft %.1f ms, prepare %.1f ms, verify forward %.1f ms, "
+            "accept %.1f ms, commit %.1f ms" % (
                 s["mean_accept_len"], s["mean_tree_size"],
                 ", ".join(f"{x:.2f}" for x in s["per_depth_acceptance"]),
-                s["draft_ms_per_step"], s["forward_ms_per_step"], s["accept_ms_per_step"],
-                s["commit_ms_per_step"]))
+                s["draft_ms_per_step"], s["prepare_ms_per_step"], s["forward_ms_per_step"],
+                s["accept_ms_per_step"], s["commit_ms_per_step"]))
 
 
 class TreeMetrics:
@@ -106,7 +108,10 @@ class TreeMetrics:
         return (self.total, self.window)
 
     def on_forward(self, seconds: float, step) -> None:
+        """execute_model wall time; its tree preparation is counted separately."""
         self._flush_trace()
+        if step is not None:
+            seconds = max(0.0, seconds - step.prepare_s)
         self._forward_s = seconds if step is not None else 0.0
         if step is not None:
             for t in self._both():
@@ -126,6 +131,7 @@ class TreeMetrics:
             t.add_depths(at_least)
             t.accept_s += accept_s
             t.commit_s += commit_s
+            t.prepare_s += step.prepare_s
         if self.trace is not None:
             lists = tree.to_lists()
             paths, tokens = acc.path.tolist(), acc.tokens.tolist()
@@ -137,7 +143,8 @@ class TreeMetrics:
                               "accepted": int(a[i]), "path": paths[i][: int(a[i]) + 1],
                               "emitted": [x for x in tokens[i] if x >= 0]}
                              for i, rid in enumerate(req_ids)],
-                "ms": {"forward": round(1e3 * self._forward_s, 3),
+                "ms": {"prepare": round(1e3 * step.prepare_s, 3),
+                       "forward": round(1e3 * self._forward_s, 3),
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
         self.stats.publish(dataclasses.asdict(self.total))
         self._maybe_log()

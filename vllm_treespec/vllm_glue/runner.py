@@ -143,7 +143,9 @@ class TreeRunnerMixin:
         self._step_start = time.perf_counter()
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
+            t0 = time.perf_counter()
             self._verify = self._make_verify_step(scheduler_output, spec_md)
+            self._verify.prepare_s = time.perf_counter() - t0
         return logits_indices, spec_md
 
     def _make_verify_step(self, scheduler_output, spec_md) -> VerifyStep:
@@ -208,7 +210,9 @@ class TreeRunnerMixin:
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
         step = self._verify
         if step is not None and attn_metadata:
+            t0 = time.perf_counter()
             rows = self._tree_rows(step)
+            step.prepare_s += time.perf_counter() - t0
             groups = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
             for per_layer in groups:
                 for md in {id(m): m for m in per_layer.values()}.values():

