@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 TRACE_ENV = "VLLM_TREESPEC_TRACE_DIR"
 STATS_ENV = "VLLM_TREESPEC_STATS_FILE"

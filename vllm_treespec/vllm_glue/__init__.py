@@ -18,7 +18,7 @@ def install() -> None:
     if not version.startswith(SUPPORTED_VLLM):
         import logging
 
-        logging.getLogger("vllm_treespec").warning(
+        logging.getLogger("vllm.treespec").warning(
             "vllm-treespec targets vLLM %s; found %s — eagle3_tree may not work",
             "/".join(SUPPORTED_VLLM), version)
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args

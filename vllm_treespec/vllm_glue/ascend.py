@@ -65,7 +65,7 @@ from vllm_treespec.attention import ascend as tree_npu
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 # vllm-ascend's metadata builder asserts 1 + num_speculative_tokens <= 16 ("FIA TND
 # layout's limit"); see TreeAscendMetadataBuilder for why tree mode lifts it.

@@ -20,7 +20,7 @@ import torch
 
 from vllm_treespec.observability import STATS_ENV, StatsFile, TraceWriter, trace_dir_from
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 
 @dataclasses.dataclass

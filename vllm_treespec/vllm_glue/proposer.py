@@ -107,7 +107,7 @@ class TreeEagleProposer(EagleProposer):
         self.last_depth = depth
         if depth == 0:  # not worth speculating this step; the drafter KV is in sync
             self._observe_draft(batch_size, 0, num_tokens, t_first - t0, 0.0)
-            return self._hand_over(None)
+            return self._finish_step(self._hand_over(None), t0)
         root_hidden = hidden[token_indices_to_sample]               # [B, d]
         root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
 
@@ -166,7 +166,9 @@ class TreeEagleProposer(EagleProposer):
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         self.last_trees = trees
-        drafts = self._hand_over(trees)
+        return self._finish_step(self._hand_over(trees), t0)
+
+    def _finish_step(self, drafts: list[list[int]], t0: float) -> list[list[int]]:
         self.last_draft_seconds = time.perf_counter() - t0
         metrics = getattr(self.runner, "tree_metrics", None)
         if metrics is not None:

@@ -33,7 +33,7 @@ from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
 
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 
 class TreeRunnerMixin:
@@ -56,9 +56,10 @@ class TreeRunnerMixin:
         self._step_is_decode = False
 
     # ------------------------------------------------------------- cost model
-    def warming_up_model(self) -> None:
-        super().warming_up_model()
-        self._calibrate_step_cost()
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if not kwargs.get("is_profiling", args[0] if args else False):
+            self._calibrate_step_cost()
 
     def _calibrate_step_cost(self) -> None:
         """Seed the adaptive budget's cost model: time forwards (+ logits) of a few
@@ -67,9 +68,9 @@ class TreeRunnerMixin:
         if policy is None:
             return
         limit = self.scheduler_config.max_num_batched_tokens
-        for n in (n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n <= limit):
+        for n in (n for n in (1, 8, 32, 128) if n <= limit):
             times = []
-            for _ in range(3):
+            for _ in range(2):
                 self._sync_device()
                 t0 = time.perf_counter()
                 out = self._dummy_run(n)
@@ -77,7 +78,7 @@ class TreeRunnerMixin:
                 self.model.compute_logits(hidden[:n])
                 self._sync_device()  # device time, not launch time
                 times.append(time.perf_counter() - t0)
-            policy.step_cost.add_prior(n, sorted(times)[1], weight=2.0)
+            policy.step_cost.add_prior(n, min(times), weight=2.0)
         coeff = policy.step_cost.coefficients()
         if coeff is not None:
             logger.info("eagle3_tree: step cost model %.1f ms + %.3f ms/token (adaptive budget)",

@@ -28,7 +28,7 @@ from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
 METHOD = "eagle3_tree"
 ADDITIONAL_CONFIG_KEY = "eagle3_tree"
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 
 # Stock keys that make no sense with a tree (the tree sets them itself).
 _FORBIDDEN_STOCK_KEYS = {

@@ -22,7 +22,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm_treespec.observability import STATS_ENV, StatsFile
 from vllm_treespec.vllm_glue.metrics import format_summary, summarize
 
-logger = logging.getLogger("vllm_treespec")
+logger = logging.getLogger("vllm.treespec")
 _METRICS: dict[str, object] = {}
 
 
