@@ -1,0 +1,94 @@
+"""The trainable drafter: training-time test equals engine-style drafting; checkpoint format."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from vllm_treespec.train.model import DrafterConfig, Eagle3Drafter
+
+
+def tiny_config(**kw) -> DrafterConfig:
+    base = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
+                vocab_size=100, draft_vocab_size=40, target_hidden_size=32, aux_layers=(2, 5, 8))
+    base.update(kw)
+    return DrafterConfig(**base)
+
+
+def tiny_model(seed=0) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    m = Eagle3Drafter(tiny_config())
+    m.set_vocab(torch.randperm(100)[:40].sort().values)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)  # non-trivial norms and weights
+    return m.eval()
+
+
+@pytest.mark.parametrize("feed", ["prenorm", "postnorm"])
+def test_ttt_forward_equals_step_by_step_drafting(feed):
+    """Row t of unrolled step j == the j-th step of a chain started at t (teacher forced)."""
+    m = tiny_model()
+    K, L = 4, 23
+    aux = torch.randn(2, L, 3 * 32) * 2
+    toks = torch.randint(0, 100, (2, L + K))
+    with torch.no_grad():
+        out = m.ttt_forward(aux, toks, K, feed_hidden=feed)
+    for b in range(2):
+        for t in range(L - K):
+            forced = [int(toks[b, t + j]) for j in range(2, K + 1)]
+            _, logits = m.draft_chain(aux[b], toks[b], t, K, feed_hidden=feed, forced=forced,
+                                      return_logits=True)
+            for j in range(K):
+                torch.testing.assert_close(out[j][b, t], logits[j], atol=2e-5, rtol=1e-4)
+
+
+def test_drafts_follow_the_argmax_through_d2t():
+    m = tiny_model(1)
+    aux = torch.randn(12, 96)
+    toks = torch.randint(0, 100, (16,))
+    drafts, logits = m.draft_chain(aux, toks, 8, 3, return_logits=True)
+    ids = m.draft_ids
+    assert drafts == [int(ids[lg.argmax()]) for lg in logits]
+    assert all(bool(m.t2d[d]) for d in drafts)
+
+
+def test_checkpoint_layout_matches_vllm_eagle3(tmp_path):
+    m = tiny_model()
+    m.save_checkpoint(tmp_path, dtype=torch.bfloat16)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == 100
+    assert cfg["target_hidden_size"] == 32
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 5, 8], "use_aux_hidden_state": True}
+    d, hd = 32, 8
+    expected = {
+        "fc.weight": (d, 3 * d),
+        "midlayer.input_layernorm.weight": (d,),
+        "midlayer.hidden_norm.weight": (d,),
+        "midlayer.post_attention_layernorm.weight": (d,),
+        "midlayer.self_attn.q_proj.weight": (4 * hd, 2 * d),
+        "midlayer.self_attn.k_proj.weight": (2 * hd, 2 * d),
+        "midlayer.self_attn.v_proj.weight": (2 * hd, 2 * d),
+        "midlayer.self_attn.o_proj.weight": (d, 4 * hd),
+        "midlayer.mlp.gate_proj.weight": (64, d),
+        "midlayer.mlp.up_proj.weight": (64, d),
+        "midlayer.mlp.down_proj.weight": (d, 64),
+        "norm.weight": (d,),
+        "lm_head.weight": (40, d),
+        "d2t": (40,),
+        "t2d": (100,),
+    }
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}
+    assert shapes == expected  # no embed_tokens: vLLM shares the target's
+    assert dtypes["d2t"] == torch.int64 and dtypes["t2d"] == torch.bool
+    assert dtypes["fc.weight"] == torch.bfloat16
+    back = Eagle3Drafter.load_checkpoint(tmp_path, embed_weight=m.embed_tokens.weight)
+    assert torch.equal(back.d2t, m.d2t) and torch.equal(back.t2d, m.t2d)
+    torch.testing.assert_close(back.fc.weight, m.fc.weight.to(torch.bfloat16).float())
+    assert DrafterConfig.from_hf_dict(cfg) == m.cfg
