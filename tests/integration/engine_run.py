@@ -7,7 +7,7 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
        "n_per_prompt": int}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
-       "seconds": float}
+       "seconds": float, "preemptions": int, "prefix_cache_hits": int}
 
 Each engine runs in a fresh process so tests never share vLLM global state.
 """
@@ -55,11 +55,15 @@ def main(spec_path: str, out_path: str) -> None:
     seconds = time.perf_counter() - t0
     outputs = [[list(c.token_ids) for c in r.outputs] for r in results]
     tree = llm.collective_rpc(oracle.tree_metrics)[0] if tree_mode else None
-    preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics()
-                      if m.name == "vllm:num_preemptions")
+    metrics = llm.get_metrics()
+
+    def counter(name: str) -> float:
+        return sum(getattr(m, "value", 0) for m in metrics if m.name == name)
+
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds,
-                   "preemptions": preemptions}, f)
+                   "preemptions": counter("vllm:num_preemptions"),
+                   "prefix_cache_hits": counter("vllm:prefix_cache_hits")}, f)
 
 
 if __name__ == "__main__":

@@ -52,12 +52,18 @@ def assert_deep_acceptance(tree: dict, min_mean: float):
 def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, reference,
                                            engine_dir):
     prompts, expected, ref_map = reference
+    # Prefix caching is on (vLLM's default). With 16-token blocks the prompts'
+    # shared chat-template block is served from the cache at batch 1, so trees
+    # are verified on top of cached KV there.
+    extra = {"block_size": 16} if batch == 1 else {}
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=batch,
-                     max_num_seqs=batch)
+                     max_num_seqs=batch, **extra)
     spec["batch"] = 1 if batch == 1 else "all"
     out = run_engine(spec, engine_dir, f"greedy_tree_b{batch}")
     assert_identical(out["outputs"], expected)
     assert_deep_acceptance(out["tree"], min_mean=3.0)
+    if batch == 1:
+        assert out["prefix_cache_hits"] > 0, "prefix cache never hit"
 
 
 def test_chunked_prefill_truncated_trees_and_early_finishes(target_dir, random_drafter,

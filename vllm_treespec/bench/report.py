@@ -20,6 +20,11 @@ def mean(values) -> float | None:
     return float(np.mean(v)) if v else None
 
 
+def _series(metrics: dict, name: str, label: str) -> list[str]:
+    """Keys of ``name``'s samples that carry ``label`` (whatever other labels they have)."""
+    return [k for k in metrics if k.startswith(name + "{") and label in k]
+
+
 def per_depth(before: dict, after: dict) -> tuple[list[float], float | None]:
     """(per-depth acceptance, mean tree size) between two /metrics scrapes."""
     d = lambda name: metric_sum(after, name) - metric_sum(before, name)  # noqa: E731
@@ -27,18 +32,18 @@ def per_depth(before: dict, after: dict) -> tuple[list[float], float | None]:
     if trees > 0:
         rates, depth = [], 1
         while True:
-            key = f'vllm_treespec:accepted_at_depth_total{{depth="{depth}"}}'
-            if key not in after:
+            keys = _series(after, "vllm_treespec:accepted_at_depth_total", f'depth="{depth}"')
+            if not keys:
                 break
-            rates.append((after[key] - before.get(key, 0.0)) / trees)
+            rates.append(sum(after[k] - before.get(k, 0.0) for k in keys) / trees)
             depth += 1
         return rates, d("vllm_treespec:draft_nodes_total") / trees
     drafts = d("vllm:spec_decode_num_drafts_total")
     if drafts > 0:
         rates, pos = [], 0
         while True:
-            keys = [k for k in after if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
-                    and f'position="{pos}"' in k]
+            keys = _series(after, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                           f'position="{pos}"')
             if not keys:
                 break
             rates.append(sum(after[k] - before.get(k, 0.0) for k in keys) / drafts)
@@ -46,6 +51,26 @@ def per_depth(before: dict, after: dict) -> tuple[list[float], float | None]:
         tokens = d("vllm:spec_decode_num_draft_tokens_total")
         return rates, tokens / drafts
     return [], None
+
+
+STAGES = ("draft", "prepare", "verify_forward", "accept", "commit")
+
+
+def stage_breakdown(before: dict, after: dict, output_tokens: int) -> dict | None:
+    """Where a tree step's time goes (EAGLE-Pangu Fig. 5): seconds per stage
+    between two /metrics scrapes, each stage's share of their sum, and ms per
+    output token. ``overhead_share`` is the tree bookkeeping alone (prepare +
+    accept + commit): everything but the drafter's and the target's forwards."""
+    secs = {stage: sum(after[k] - before.get(k, 0.0)
+                       for k in _series(after, "vllm_treespec:stage_seconds_total", f'stage="{stage}"'))
+            for stage in STAGES}
+    total = sum(secs.values())
+    if total <= 0:
+        return None
+    return {"seconds": secs,
+            "share": {k: v / total for k, v in secs.items()},
+            "ms_per_output_token": {k: 1e3 * v / max(1, output_tokens) for k, v in secs.items()},
+            "overhead_share": (secs["prepare"] + secs["accept"] + secs["commit"]) / total}
 
 
 def method_summary(results, none_by_turn: dict | None, metrics_window) -> dict:
@@ -75,6 +100,9 @@ def method_summary(results, none_by_turn: dict | None, metrics_window) -> dict:
         depth, size = per_depth(*metrics_window)
         out["per_depth_acceptance"] = depth
         out["mean_tree_size"] = size
+        stages = stage_breakdown(*metrics_window, out["output_tokens"])
+        if stages is not None:
+            out["stages"] = stages
     return out
 
 
@@ -174,6 +202,16 @@ def markdown(summary: dict) -> str:
         depth = s.get("c1", {}).get("per_depth_acceptance")
         if depth:
             lines.append(f"- {m}: " + ", ".join(f"{x:.2f}" for x in depth))
+    staged = [(m, s["c1"]["stages"]) for m, s in summary["methods"].items()
+              if s.get("c1", {}).get("stages")]
+    if staged:
+        lines += ["", "Where a tree step's time goes (c=1; share of the step, ms per output token):",
+                  "", "| method | " + " | ".join(STAGES) + " | bookkeeping share |",
+                  "|---|" + "---|" * (len(STAGES) + 1)]
+        for m, st in staged:
+            lines.append(f"| {m} | " + " | ".join(
+                f"{100 * st['share'][k]:.1f}% ({st['ms_per_output_token'][k]:.2f})" for k in STAGES)
+                + f" | {100 * st['overhead_share']:.1f}% |")
     lines += ["", f"Command: `{summary['command']}`", ""]
     return "\n".join(lines)
 

@@ -1,0 +1,87 @@
+"""The benchmark's dataset and arithmetic: pangu240 turns, /metrics parsing,
+per-turn speedups, acceptance, per-depth rates and the stage breakdown."""
+
+import pytest
+
+from vllm_treespec.bench import driver, pangu240, report
+from vllm_treespec.bench.server import metric_sum, parse_prometheus
+
+PROM = """\
+# HELP vllm_treespec:trees_total Verified draft trees
+# TYPE vllm_treespec:trees_total counter
+vllm_treespec:trees_total{engine="0",model_name="m"} 10.0
+vllm_treespec:draft_nodes_total{engine="0",model_name="m"} 160.0
+vllm_treespec:emitted_tokens_total{engine="0",model_name="m"} 35.0
+vllm_treespec:accepted_at_depth_total{depth="1",engine="0",model_name="m"} 8.0
+vllm_treespec:accepted_at_depth_total{depth="2",engine="0",model_name="m"} 5.0
+vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="draft"} 0.2
+vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="prepare"} 0.01
+vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="verify_forward"} 0.76
+vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="accept"} 0.02
+vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="commit"} 0.01
+"""
+
+
+def test_pangu240_has_240_interleaved_turns_and_second_turns_use_first_answers():
+    turns = pangu240.build_turns()
+    assert len(turns) == 240
+    assert [t.source for t in turns[:3]] == ["humaneval", "mtbench", "mtbench"]
+    assert sum(t.source == "humaneval" for t in turns) == 80
+    assert sum(t.depends_on is not None for t in turns) == 80
+    limited = pangu240.build_turns(limit=6)
+    asked = []
+    answer = lambda t: asked.append(t.turn_id) or f"A:{t.turn_id}"  # noqa: E731
+    done = pangu240.materialize(limited, answer, known={limited[4].turn_id: "known"})
+    assert all(t.depends_on is None for t in done)
+    assert done[2].messages[1] == {"role": "assistant", "content": f"A:{limited[1].turn_id}"}
+    assert done[5].messages[1]["content"] == "known"
+    assert asked == [limited[1].turn_id]  # each first answer generated once
+    orphan = pangu240.materialize(limited[2:3], answer)  # its first turn was cut by --limit
+    assert asked[-1] == limited[1].turn_id and orphan[0].messages[0] == limited[1].messages[0]
+    assert "```python" in done[0].messages[0]["content"]
+
+
+def test_prometheus_parsing_sums_over_labels():
+    m = parse_prometheus(PROM)
+    assert metric_sum(m, "vllm_treespec:trees_total") == 10.0
+    assert metric_sum(m, "vllm_treespec:stage_seconds_total") == pytest.approx(1.0)
+    assert metric_sum(m, "vllm_treespec:trees") == 0.0  # a prefix of a name is not the name
+
+
+def test_per_depth_and_stage_breakdown_between_scrapes():
+    after = parse_prometheus(PROM)
+    before = {k: v / 2 for k, v in after.items()}  # half of everything happened in the window
+    rates, size = report.per_depth(before, after)
+    assert rates == pytest.approx([0.8, 0.5]) and size == pytest.approx(16.0)
+    st = report.stage_breakdown(before, after, output_tokens=50)
+    assert st["seconds"]["verify_forward"] == pytest.approx(0.38)
+    assert sum(st["share"].values()) == pytest.approx(1.0)
+    assert st["overhead_share"] == pytest.approx(0.04)
+    assert st["ms_per_output_token"]["draft"] == pytest.approx(2.0)
+    assert report.stage_breakdown(after, after, 50) is None  # nothing ran: no breakdown
+
+
+def test_acceptance_length_counts_the_bonus_token():
+    tree = {"drafts": 0, "accepted": 0, "trees": 10, "emitted": 35}
+    assert driver.accept_len_between(dict.fromkeys(tree, 0), tree) == 3.5
+    chain = {"drafts": 10, "accepted": 12, "trees": 0, "emitted": 0}
+    assert driver.accept_len_between(dict.fromkeys(chain, 0), chain) == pytest.approx(2.2)
+    assert driver.accept_len_between(chain, chain) is None
+
+
+def test_speedups_are_per_turn_ratios_and_the_markdown_lists_stages():
+    def res(turn, tokens, secs, accept=None):
+        return driver.TurnResult(turn, "x", tokens, secs, 0.1, "", accept)
+
+    none = [res("a", 100, 10.0), res("b", 100, 2.0)]
+    tree = [res("a", 100, 5.0, 3.0), res("b", 100, 2.0, 1.0)]
+    by_turn = {r.turn_id: r for r in none}
+    after = parse_prometheus(PROM)
+    s = report.method_summary(tree, by_turn, ({}, after))
+    assert s["speedup_mean"] == pytest.approx(1.5)      # mean of 2.0 and 1.0
+    assert s["speedup_of_means"] == pytest.approx(35.0 / 30.0)
+    assert s["accept_len_mean"] == pytest.approx(2.0)
+    assert s["stages"]["overhead_share"] == pytest.approx(0.04)
+    md = report.markdown({"suite": "pangu240", "turns": 2, "max_tokens": 100, "temperature": 0.0,
+                          "command": "cmd", "methods": {"eagle3_tree": {"c1": s}}})
+    assert "verify_forward" in md and "4.0%" in md
