@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"eagle3_tree {tok(tree_res):8.1f}    "
         + (f"{sum(accepted) / len(accepted):.2f}" if accepted else "–")
         + f"    ({tok(tree_res) / tok(plain):.2f}x)")
+    if not accepted:
+        say("(no tree was verified: the adaptive budget measured that speculation does not pay "
+            "with this drafter on this machine; add \"adaptive\": false to --tree to force trees)")
     say(f"\ngreedy answers identical to decoding without speculation: {same}")
     steps = sorted(trace_dir.glob("steps-*.jsonl"))
     say(f"per-step trace: {steps[0] if steps else trace_dir}  (manifest: "
