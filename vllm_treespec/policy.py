@@ -14,17 +14,23 @@ and decides every step:
   where t(N) = a + b*N is the step time for N verified tokens (fitted online,
   seeded by a short calibration at startup), t_draft(d) the measured drafting
   time, A(d) the accepted drafts per request seen so far at depth <= d, and
-  n(d) the nodes such a tree holds. The best d wins if R(d) beats 1 by a margin;
-  otherwise speculation is off for the step (the drafter still reads the new
-  tokens so it stays in sync). Occasionally a full tree is drafted anyway to
-  keep the acceptance statistics current.
+  n(d) the nodes per request that trees drafted to depth d kept after the node
+  selection below (a chain, n(d) = d, until observed: on a CPU, where every
+  verified token costs, the selection often trims trees to short chains). The
+  best d wins if R(d) beats 1 by a margin; otherwise speculation is off for the
+  step (the drafter still reads the new tokens so it stays in sync).
+  Every ``probe_every`` steps it drafts one level deeper than planned, which
+  keeps the acceptance statistics of the next depth current.
 
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
   (kappa calibrates the drafter online). Taking candidates in decreasing q, the
   best prefix maximises (B + sum q) / t(B + k) — the EAGLE-2 rerank generalised
   to a batch under a cost model. Per request that prefix is its top-n by score,
-  which is ancestor-closed, i.e. a valid tree.
+  which is ancestor-closed, i.e. a valid tree. The same cut restricted to each
+  request's greedy chain competes with it: chains verify with a device's
+  causal kernel, while a step with branching trees pays a learned extra cost
+  for tree attention (large on the CPU, about zero with a fused tree kernel).
 
 Pure Python/torch; the runner feeds it timings and acceptance counts.
 """
@@ -86,15 +92,30 @@ class AdaptiveBudget:
         self._pred, self._obs = 1e-6, 1e-6
         # accepted_at[d]: EWMA of P(accepted drafts >= d+1) for full-depth trees
         self.accepted_at = [0.5 ** (d + 1) for d in range(depth)]
+        # nodes_at[d-1]: EWMA of nodes verified per request when d levels were
+        # drafted, i.e. what ``select`` keeps at that depth; a chain until seen.
+        self.nodes_at = [float(d + 1) for d in range(depth)]
+        # Extra seconds of a step whose trees branch: a device whose kernel is
+        # causal verifies chains with it but needs tree attention for branches
+        # (large on the CPU, about 0 with a fused tree kernel). Learned online.
+        self.branch_cost = 0.0
+        self.branch_at = [0.0] * depth        # EWMA: did trees drafted to depth d branch
         self._rng = random.Random(seed)
         self._steps = 0
         self.last_depth = depth
 
     # ---------------------------------------------------------------- observe
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """Wall time of a decode/verify step (no prefill), drafting excluded."""
-        if seconds > 0 and num_tokens > 0:
+    def observe_step(self, num_tokens: int, seconds: float, branching: bool = False) -> None:
+        """Wall time of a decode/verify step (no prefill), drafting excluded;
+        ``branching``: some verified tree was not a chain."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        if not branching:
             self.step_cost.add(num_tokens, seconds)
+            return
+        plain = self.step_cost(num_tokens)
+        if plain is not None:
+            self.branch_cost = 0.8 * self.branch_cost + 0.2 * (seconds - plain)
 
     def observe_draft(self, batch: int, width: int, levels: int, first_pass_tokens: int,
                       first_pass_s: float, levels_s: float) -> None:
@@ -116,10 +137,17 @@ class AdaptiveBudget:
             rate = sum(1 for a in accepted if a >= d + 1) / n
             self.accepted_at[d] = 0.9 * self.accepted_at[d] + 0.1 * rate
 
+    def observe_budget(self, depth: int, nodes_per_request: float,
+                       branching: bool = False) -> None:
+        """Mean nodes per request that a step drafted to ``depth`` went on to verify,
+        and whether its trees branch."""
+        if 1 <= depth <= self.D:
+            self.nodes_at[depth - 1] = 0.8 * self.nodes_at[depth - 1] + 0.2 * nodes_per_request
+            self.branch_at[depth - 1] = 0.8 * self.branch_at[depth - 1] + 0.2 * branching
+
     # ---------------------------------------------------------------- decide
-    def _nodes_for_depth(self, d: int) -> int:
-        # A typical trimmed tree: about one frontier's width per level.
-        return min(self.M, d * self.K)
+    def _nodes_for_depth(self, d: int) -> float:
+        return min(float(self.M), self.nodes_at[d - 1])
 
     def predicted_ratio(self, batch: int, d: int) -> float | None:
         plain = self.step_cost(batch)
@@ -132,15 +160,13 @@ class AdaptiveBudget:
         draft = (self.level_cost(batch * self.K) or 0.0) * (d - 1)
         if t is None:
             return None
+        t += max(self.branch_cost, 0.0) * self.branch_at[d - 1]
         gain = 1.0 + sum(self.accepted_at[:d])
         return (gain / (t + draft)) / (1.0 / plain)
 
     def plan_depth(self, batch: int) -> int:
         """Drafting depth for this step (0 = no tree levels)."""
         self._steps += 1
-        if self.probe_every and self._steps % self.probe_every == 0:
-            self.last_depth = self.D  # refresh the acceptance statistics
-            return self.D
         best_d, best = 0, 1.0 + self.margin
         for d in range(1, self.D + 1):
             r = self.predicted_ratio(batch, d)
@@ -149,30 +175,55 @@ class AdaptiveBudget:
                 return self.D
             if r > best:
                 best_d, best = d, r
+        if self.probe_every and self._steps % self.probe_every == 0:
+            # Explore one level deeper than the plan, to keep the statistics of
+            # the next depth current (a full-depth probe of a wide batch would
+            # cost more than the decision it informs).
+            best_d = min(self.D, best_d + 1)
         self.last_depth = best_d
         return best_d
 
-    def select(self, scores: torch.Tensor, max_nodes: int) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, max_nodes: int,
+               chain: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
         """Per-request node budgets [B] from candidate scores [B, N] (cumulative
-        draft log-probs; -inf for non-candidates), maximising predicted throughput."""
+        draft log-probs; -inf for non-candidates), maximising predicted throughput.
+
+        ``chain`` [B, N] marks each request's greedy chain. Trees that branch pay
+        ``branch_cost`` on top; chains do not. Returns the budgets and whether
+        they are meant for the chain nodes only (``DynamicTreeBuilder.finish``'s
+        ``chain_only``).
+        """
         B = scores.shape[0]
         q = (self.kappa * torch.exp(scores.float())).clamp(max=1.0)
         q = torch.nan_to_num(q, nan=0.0)
-        top = torch.topk(q, min(max_nodes, q.shape[1]), dim=1).values      # [B, m]
-        flat, _ = torch.sort(top.reshape(-1), descending=True)
         coeff = self.step_cost.coefficients()
         if coeff is None:
-            return torch.full((B,), max_nodes, dtype=torch.long, device=scores.device)
+            return torch.full((B,), max_nodes, dtype=torch.long, device=scores.device), False
+        tree = self._best_prefix(q, max_nodes, coeff, max(self.branch_cost, 0.0))
+        if chain is None:
+            return tree[0], False
+        chain_pick = self._best_prefix(torch.where(chain, q, torch.zeros_like(q)), max_nodes,
+                                       coeff, 0.0)
+        return (chain_pick[0], True) if chain_pick[1] >= tree[1] else (tree[0], False)
+
+    @staticmethod
+    def _best_prefix(q: torch.Tensor, max_nodes: int, coeff: tuple[float, float],
+                     extra: float) -> tuple[torch.Tensor, float]:
+        """Budgets of the batch-wide best prefix of candidates by q, and its rate."""
+        B = q.shape[0]
+        top = torch.topk(q, min(max_nodes, q.shape[1]), dim=1).values      # [B, m]
+        flat, _ = torch.sort(top.reshape(-1), descending=True)
         a, b = coeff
         k = torch.arange(flat.numel() + 1, device=flat.device, dtype=torch.float32)
         gain = B + torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
-        rate = gain / (a + b * (B + k))
+        cost = a + b * (B + k) + extra * (k > 0)
+        rate = gain / cost
         best_k = int(torch.argmax(rate))
-        if best_k == 0:
-            return torch.zeros(B, dtype=torch.long, device=scores.device)
+        if best_k == 0 or float(flat[best_k - 1]) <= 0.0:
+            return torch.zeros(B, dtype=torch.long, device=q.device), float(rate[0])
         threshold = flat[best_k - 1]
         # Nodes at or above the threshold (ties may add a few; harmless).
-        return (top >= threshold).sum(1).clamp(max=max_nodes).long()
+        return (top >= threshold).sum(1).clamp(max=max_nodes).long(), float(rate[best_k])
 
 
 def probability_sum(scores: torch.Tensor, num_nodes: torch.Tensor) -> float:

@@ -63,6 +63,20 @@ def oracle_tree(rng: random.Random, truth: list[int], budget: int, vocab: int,
     return tokens, parents
 
 
+def oracle_chain(rng: random.Random, truth: list[int], budget: int, vocab: int,
+                 max_depth: int = 8) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of a chain: ``truth[:h]`` for a random h, then decoys."""
+    n = min(budget, max_depth)
+    h = rng.randint(0, min(n, len(truth)))
+    tokens = list(truth[:h])
+    while len(tokens) < n:
+        token = rng.randrange(vocab)
+        if len(tokens) == h and h < len(truth) and token == truth[h]:
+            continue  # the first decoy must not be the truth
+        tokens.append(token)
+    return tokens, list(range(n))
+
+
 def trie_tree(trie: dict, context: tuple, budget: int) -> tuple[list[int], list[int]]:
     """BFS tree of the most frequent observed continuations of ``context``.
 
@@ -91,6 +105,8 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
 
     mode "greedy": reference = {prompt ids joined by ',': greedy output ids}; the
         tree hides the greedy continuation among decoys.
+    mode "chain": as "greedy", but every tree is a chain (verified by the
+        device's causal kernel): the greedy continuation, then decoys.
     mode "trie": reference = {prompt key: list of sampled outputs}; the tree holds
         the most frequent observed continuations of the current output.
     """
@@ -133,7 +149,8 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             else:
                 root_index = int(prefix[b]) - len(state.prompt_token_ids)
                 truth = reference[key][root_index + 1:]
-                tokens, parents = oracle_tree(rng, truth, len(drafts[b]), vocab)
+                shape = oracle_chain if mode == "chain" else oracle_tree
+                tokens, parents = shape(rng, truth, len(drafts[b]), vocab)
             drafts[b] = tokens
             self.proposed[req_id] = ProposedTree(tokens, parents, [0.0] * len(tokens))
         return drafts

@@ -70,6 +70,19 @@ def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, re
         assert out["prefix_cache_hits"] > 0, "prefix cache never hit"
 
 
+def test_greedy_chains_on_the_causal_kernel(target_dir, random_drafter, reference, engine_dir):
+    """Steps whose trees are all chains skip tree attention (the CPU kernel is
+    causal, and a chain's slots and positions are linear): still identical."""
+    prompts, expected, ref_map = reference
+    spec = tree_spec(target_dir, random_drafter, prompts[:12], ref_map, seed=5)
+    spec["oracle"]["mode"] = "chain"
+    out = run_engine(spec, engine_dir, "greedy_tree_chains")
+    assert_identical(out["outputs"], expected[:12])
+    tree = out["tree"]
+    assert tree["chain_steps"] == tree["steps"] > 0, tree
+    assert tree["mean_accept_len"] > 3.0, tree
+
+
 def test_chunked_prefill_truncated_trees_and_early_finishes(target_dir, random_drafter,
                                                             reference, engine_dir):
     """A 48-token step budget chunks every prompt and cuts trees short (the

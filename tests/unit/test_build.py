@@ -78,6 +78,50 @@ def test_dynamic_tree_matches_eagle_expand_and_rerank(K, D, data):
             assert s[i] < s[int(tree.parent[b, i])]
 
 
+def naive_greedy_chain(draws, b, K, D):
+    """Best child of the chain's tip at each level, while the tip is expanded."""
+    frontier = [(s, (t,)) for s, t in zip(*torch.topk(draws[0][b], K))]
+    chain = [max(frontier)[1]]
+    for d in range(1, D):
+        level = []
+        for slot, (fs, fpath) in enumerate(frontier):
+            for s, t in zip(*torch.topk(draws[d][b, slot], K)):
+                level.append((fs + s, fpath + (int(t),)))
+        tip = [slot for slot, (_, p) in enumerate(frontier) if p == chain[-1]]
+        if tip:
+            chain.append(chain[-1] + (int(torch.argmax(draws[d][b, tip[0]])),))
+        frontier = sorted(level, key=lambda x: -x[0])[:K]
+        if not tip:
+            break
+    return [tuple(int(t) for t in p) for p in chain]
+
+
+@given(K=st.integers(1, 4), D=st.integers(1, 5), seed=st.integers(0, 2**31))
+def test_chain_only_keeps_the_greedy_chain(K, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, V = 3, 11
+    M = K + (D - 1) * K * K
+    builder = DynamicTreeBuilder(B, K, D, M)
+    draws = [torch.randn(B, V, generator=gen).log_softmax(-1)]
+    builder.first_level(draws[0])
+    while not builder.done:
+        draws.append(torch.randn(B, K, V, generator=gen).log_softmax(-1))
+        builder.next_level(draws[-1])
+    chain_mask = builder.chain_candidates()
+    tree = builder.finish(torch.arange(B), chain_only=True)
+    tree.validate(vocab_size=V)
+    assert torch.equal(tree.causal_exact, tree.valid)  # every tree is a chain
+    for b in range(B):
+        expected = naive_greedy_chain(draws, b, K, D)
+        n = int(tree.num_nodes[b])
+        assert n == len(expected) == int(chain_mask[b].sum())
+        assert tuple(tree.token[b, 1: n + 1].tolist()) == expected[-1]
+    # A smaller budget keeps the chain's first nodes.
+    short = builder.finish(torch.arange(B), budget=torch.tensor([1, 0, 2]), chain_only=True)
+    assert torch.equal(short.causal_exact, short.valid)
+    assert short.num_nodes.tolist() == [1, 0, min(2, int(chain_mask[2].sum()))]
+
+
 @given(seed=st.integers(0, 2**31), tie_kind=st.sampled_from(["one_hot", "uniform", "two"]))
 def test_ties_keep_the_tree_ancestor_closed(seed, tie_kind):
     """Exact ties (prob 1 tokens, uniform drafts, -inf) must not break closure."""

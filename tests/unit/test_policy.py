@@ -37,8 +37,20 @@ def test_deep_trees_when_verification_is_cheap_and_none_when_it_is_not():
     assert costly.plan_depth(32) == 0
     # Same costs, growing batch: speculation shrinks monotonically, then stops.
     p = policy(per_token=0.001)
-    depths = [p.plan_depth(b) for b in (1, 4, 16, 64)]
+    depths = [p.plan_depth(b) for b in (1, 4, 16, 64, 256)]
     assert depths == sorted(depths, reverse=True) and depths[0] > 0 and depths[-1] == 0
+
+
+def test_depth_is_costed_by_the_trees_selection_keeps():
+    """Trees trimmed to chains are cheap to verify; wide ones at the same depth are not.
+    The CPU case: a 28 ms step, ~1.6 ms per extra token, a weak drafter."""
+    p = policy(base=0.028, per_token=0.0016, accept=(0.36, 0.13, 0.05, 0.02, 0.01, 0.0))
+    assert p.plan_depth(1) in (1, 2)  # a short chain pays off
+    for d in range(1, 7):
+        for _ in range(30):
+            p.observe_budget(d, 8.0 * d)  # the selection kept wide trees
+    assert p.nodes_at[0] == pytest.approx(8.0, rel=0.01)
+    assert p.plan_depth(1) == 0
 
 
 def test_useless_drafter_turns_speculation_off():
@@ -46,10 +58,14 @@ def test_useless_drafter_turns_speculation_off():
     assert p.plan_depth(1) == 0
 
 
-def test_probes_refresh_statistics_even_when_off():
+def test_probes_explore_one_level_deeper_even_when_off():
     p = policy(accept=(0.0,) * 6)
     p.probe_every = 5
-    assert [p.plan_depth(1) for _ in range(10)].count(6) == 2
+    assert [p.plan_depth(1) for _ in range(10)] == [0, 0, 0, 0, 1] * 2
+    cheap = policy(per_token=0.0001, accept=(0.8, 0.6, 0.0, 0.0, 0.0, 0.0))
+    cheap.probe_every = 3
+    planned = [cheap.plan_depth(1) for _ in range(3)]
+    assert planned[2] == planned[0] + 1 and planned[0] == planned[1] > 0
 
 
 def test_acceptance_observations_calibrate_and_update_rates():
@@ -67,13 +83,34 @@ def test_select_keeps_the_best_nodes_batch_wide():
     # Request 0 has confident drafts, request 1 hopeless ones.
     good = torch.log(torch.linspace(0.9, 0.3, 20))
     bad = torch.log(torch.full((20,), 1e-4))
-    budgets = p.select(torch.stack([good, bad]), max_nodes=16)
+    budgets, _ = p.select(torch.stack([good, bad]), max_nodes=16)
     assert budgets[0] > 0 and budgets[1] == 0
     # Free verification: everything up to the cap; prohibitive: nothing.
-    assert p.select(torch.stack([good, bad]) , 16).tolist() == budgets.tolist()
+    assert p.select(torch.stack([good, bad]), 16)[0].tolist() == budgets.tolist()
     free = policy(per_token=0.0)
-    assert free.select(torch.log(torch.rand(3, 40, generator=gen)), 16).tolist() == [16] * 3
-    assert policy(per_token=10.0).select(torch.stack([good, good]), 16).tolist() == [0, 0]
+    assert free.select(torch.log(torch.rand(3, 40, generator=gen)), 16)[0].tolist() == [16] * 3
+    assert policy(per_token=10.0).select(torch.stack([good, good]), 16)[0].tolist() == [0, 0]
+
+
+def test_branch_cost_is_learned_and_makes_chains_win():
+    p = policy(base=0.028, per_token=0.0016)
+    # Steps with branching trees take 8 ms more than the fit predicts for their size.
+    for _ in range(40):
+        p.observe_step(4, 0.028 + 0.0016 * 4 + 0.008, branching=True)
+        p.observe_step(1, 0.028 + 0.0016)
+    assert p.branch_cost == pytest.approx(0.008, abs=0.001)
+    # Two confident siblings at depth 1 and a chain below the first one.
+    scores = torch.log(torch.tensor([[0.6, 0.5, 0.4, 0.1]]))
+    chain = torch.tensor([[True, False, True, False]])
+    budgets, chain_only = p.select(scores, 4, chain)
+    assert chain_only and budgets.tolist() == [2]
+    p.branch_cost = 0.0  # a fused tree kernel: branching is free, the tree wins
+    budgets, chain_only = p.select(scores, 4, chain)
+    assert not chain_only and budgets.tolist() == [3]
+    # The depth plan counts the extra for depths whose trees branched.
+    p.branch_cost = 0.05
+    p.observe_budget(1, 2.0, branching=True)
+    assert p.branch_at[0] == pytest.approx(0.2)
 
 
 def test_selected_nodes_are_each_requests_best():
@@ -82,7 +119,7 @@ def test_selected_nodes_are_each_requests_best():
     p = policy(per_token=0.002)
     gen = torch.Generator().manual_seed(1)
     scores = torch.log(torch.rand(4, 30, generator=gen))
-    budgets = p.select(scores, 24)
+    budgets, _ = p.select(scores, 24)
     q = torch.exp(scores)
     kept = [set(torch.topk(q[b], int(budgets[b])).indices.tolist()) for b in range(4)]
     threshold = min(min(q[b, list(k)].tolist()) for b, k in enumerate(kept) if k)

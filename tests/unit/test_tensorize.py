@@ -56,6 +56,29 @@ def test_children_tables_match_parents(tree):
                 assert int(tree.child_rank[b, i]) == r
 
 
+@given(tree_batches())
+def test_causal_exact_rows_have_a_causal_mask_row(tree):
+    """A causal kernel's result is exact for these rows, and only for these."""
+    from vllm_treespec.tree import tree_mask
+
+    mask = tree_mask(tree)
+    causal = torch.ones(tree.tree_size, tree.tree_size, dtype=torch.bool).tril()
+    for b, tl in enumerate(tree.to_lists()):
+        for i in range(len(tl["token"])):
+            on_chain = naive_path((tl["token"], tl["parent"]), i) == list(range(i + 1))
+            assert bool(tree.causal_exact[b, i]) == on_chain
+            assert torch.equal(mask[b, i], causal[i]) == on_chain
+        assert not tree.causal_exact[b, len(tl["token"]):].any()  # padding never
+
+
+def test_causal_exact_of_a_chain_and_a_branch():
+    chain = TreeBatch.from_parents([[5, 6, 7]], [[0, 0, 1]], tree_size=4, max_children=2)
+    assert chain.causal_exact.tolist() == [[True, True, True, False]]
+    branch = TreeBatch.from_parents([[5, 6, 7, 8]], [[0, 0, 0, 1]], tree_size=4,
+                                    max_children=2)
+    assert branch.causal_exact.tolist() == [[True, True, False, False]]
+
+
 @given(tree_batches(max_nodes=10))
 def test_truncation_keeps_a_valid_prefix(tree):
     cut = torch.div(tree.num_nodes, 2, rounding_mode="floor")

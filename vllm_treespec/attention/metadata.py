@@ -21,6 +21,8 @@ class TreeVerifyRows:
     meta: reference metadata over those rows only (queries re-packed densely)
     covers_batch: every query row of the step is a tree row (no other requests),
         so a backend can skip its regular kernel entirely
+    chain_only: every tree row is causal-exact (``TreeBatch.causal_exact``: all
+        trees of the step are chains), so a backend's causal kernel alone is exact
     scratch: per-step, layer-independent values a backend derives once (masks,
         indices) and reuses in every layer
     """
@@ -28,6 +30,7 @@ class TreeVerifyRows:
     rows: torch.Tensor
     meta: PagedTreeAttentionMetadata
     covers_batch: bool = False
+    chain_only: bool = False
     scratch: dict = dataclasses.field(default_factory=dict)
 
 

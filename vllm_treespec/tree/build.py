@@ -110,6 +110,11 @@ class DynamicTreeBuilder:
         self.depths = torch.zeros_like(self.tokens)
         self.scores = torch.full((batch_size, n_cand), float("-inf"), device=self.device)
         self.scores[:, 0] = 0.0
+        # The greedy chain (best child of the previous chain node, while expanded):
+        # selecting only these keeps every tree a chain, which a device's causal
+        # kernel verifies without tree attention.
+        self.on_chain = torch.zeros(batch_size, n_cand, dtype=torch.bool, device=self.device)
+        self._chain_tip = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._frontier_id: torch.Tensor | None = None  # [B, k] candidate ids
         self._frontier_score: torch.Tensor | None = None
         self._level = 0
@@ -130,6 +135,9 @@ class DynamicTreeBuilder:
         self.depths[:, 1:1 + self.k] = 1
         self._frontier_id, self._frontier_score = ids, score
         self._level, self._next_free = 1, 1 + self.k
+        rows = torch.arange(self.B, device=self.device)
+        self._chain_tip = 1 + score.argmax(1)
+        self.on_chain[rows, self._chain_tip] = True
         return Level(tokens=tok, parent_slot=torch.zeros_like(tok), depth=1, node_id=ids)
 
     def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
@@ -146,6 +154,16 @@ class DynamicTreeBuilder:
         self.depths[:, start:start + k * k] = self._level + 1
         self.parents[:, start:start + k * k] = (
             self._frontier_id.unsqueeze(-1).expand(-1, -1, k).reshape(self.B, k * k))
+        # Extend the greedy chain where its tip was expanded (is in the frontier).
+        tip_slot = self._frontier_id == self._chain_tip.unsqueeze(1)           # [B, k]
+        extended = tip_slot.any(1)
+        f = tip_slot.int().argmax(1)
+        rows = torch.arange(self.B, device=self.device)
+        child = cum.view(self.B, k, k)[rows, f].argmax(1)
+        tip = start + f * k + child
+        self.on_chain[rows[extended], tip[extended]] = True
+        # A chain that ended stays ended (the sentinel matches no candidate id).
+        self._chain_tip = torch.where(extended, tip, torch.full_like(tip, self.tokens.shape[1]))
         best_score, best = torch.topk(cum, k, dim=-1)  # next frontier among k*k
         self._frontier_id = start + best
         self._frontier_score = best_score
@@ -159,16 +177,27 @@ class DynamicTreeBuilder:
         """[B, N] cumulative draft log-probs of all candidates so far (root excluded)."""
         return self.scores[:, 1:self._next_free]
 
-    def finish(self, root_tokens: torch.Tensor, budget: torch.Tensor | None = None) -> TreeBatch:
+    def chain_candidates(self) -> torch.Tensor:
+        """[B, N] bool, aligned with ``candidate_scores``: the greedy chain's nodes."""
+        return self.on_chain[:, 1:self._next_free]
+
+    def finish(self, root_tokens: torch.Tensor, budget: torch.Tensor | None = None,
+               chain_only: bool = False) -> TreeBatch:
         """Rerank all candidates to each request's budget, in BFS order.
 
-        ``budget`` overrides the per-request budgets given at construction.
+        ``budget`` overrides the per-request budgets given at construction;
+        ``chain_only`` keeps only the greedy chain's nodes (each tree a chain).
         """
         if budget is not None:
             self.budget = budget.to(self.device, torch.long).clamp(0, self.M)
         used = self._next_free
         scores, tokens, parents = (self.scores[:, :used], self.tokens[:, :used],
                                    self.parents[:, :used])
+        if chain_only:
+            # Ancestor-closed too: a chain node's parent is on the chain.
+            scores = torch.where(self.on_chain[:, :used], scores,
+                                 torch.full_like(scores, float("-inf")))
+            self.budget = torch.minimum(self.budget, self.on_chain[:, :used].sum(1))
         M = min(self.M, used - 1)
         # Best M draft candidates (root excluded), then keep each request's budget.
         top_score, top_id = torch.topk(scores[:, 1:], M, dim=-1)

@@ -137,6 +137,15 @@ class TreeBatch:
         """[B, T] bool: valid nodes without valid children."""
         return self.valid & (self.num_children == 0)
 
+    @functools.cached_property
+    def causal_exact(self) -> torch.Tensor:
+        """[B, T] bool: valid nodes whose ancestors are exactly the nodes before
+        them (depth == index, the leading chain). Laid out linearly, their causal
+        attention already is their tree attention, so a backend with a causal
+        kernel needs to redo only the other rows (none when every tree is a chain).
+        """
+        return self.valid & (self.depth == self.node_index)
+
     # ---- checks ------------------------------------------------------------
     def validate(self, vocab_size: int | None = None) -> None:
         """Check every invariant; raise TreeInvariantError naming request and node.

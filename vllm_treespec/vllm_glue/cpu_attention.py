@@ -2,8 +2,10 @@
 
 vLLM's CPU kernel knows causal attention only. In tree mode this backend replaces
 ``CPU_ATTN`` (``register_backend``) and keeps the native kernel for every row,
-then recomputes the rows of tree-verify requests with the reference paged tree
-attention (their causal result is wrong only for them). While drafting a tree,
+then recomputes the rows of tree-verify requests with a block-wise paged tree
+attention (same function as the reference). When every tree of a step is a
+chain, the native causal result is already exact and nothing is redone (the
+adaptive budget often trims trees to chains on the CPU). While drafting a tree,
 the drafter's frontier nodes attend to the paged prefix plus their ancestors in
 a small per-layer side buffer (``prefix_side_attention``); nothing of the draft
 tree is written to the paged cache.
@@ -58,11 +60,12 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if isinstance(attn_metadata, DraftTreeLevelMetadata):
             return self._draft_level(query, key, value, kv_cache, attn_metadata, output)
         tree: TreeVerifyRows | None = getattr(attn_metadata, "tree_verify", None)
-        if tree is None or not tree.covers_batch:
-            # Native kernel (causal) for every row; tree rows are redone below.
+        if tree is None or tree.chain_only or not tree.covers_batch:
+            # Native kernel (causal) for every row: exact for chains (positions and
+            # slots are linear there); other tree rows are redone below.
             output = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                      output, output_scale, output_block_scale)
-        if tree is not None:
+        if tree is not None and not tree.chain_only:
             plan = tree.scratch.get("cpu_plan")
             if plan is None:  # built by the first layer, reused by the others
                 plan = tree.scratch["cpu_plan"] = cpu_layout.plan(tree.meta, query.dtype)

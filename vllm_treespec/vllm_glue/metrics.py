@@ -26,6 +26,7 @@ logger = logging.getLogger("vllm.treespec")
 @dataclasses.dataclass
 class Totals:
     steps: int = 0
+    chain_steps: int = 0      # verify steps whose trees were all chains (causal kernel)
     trees: int = 0
     nodes: int = 0
     emitted: int = 0          # accepted drafts + bonus tokens, over trees
@@ -50,7 +51,7 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
     """Rates from raw counters (also used by the frontend on counter deltas)."""
     trees, steps = max(t["trees"], 1), max(t["steps"], 1)
     return {
-        "steps": t["steps"], "trees": t["trees"],
+        "steps": t["steps"], "chain_steps": t.get("chain_steps", 0), "trees": t["trees"],
         "mean_accept_len": t["emitted"] / trees,
         "mean_tree_size": t["nodes"] / trees,
         "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
@@ -123,8 +124,10 @@ class TreeMetrics:
         depth_hist = torch.bincount(a, minlength=tree.max_depth + 1).tolist()
         # accepted_at_depth[d]: trees that accepted at least d+1 drafts
         at_least = [sum(depth_hist[d + 1:]) for d in range(len(depth_hist) - 1)]
+        chain = bool(torch.equal(tree.causal_exact, tree.valid))
         for t in self._both():
             t.steps += 1
+            t.chain_steps += chain
             t.trees += tree.batch_size
             t.nodes += int(tree.num_nodes.sum())
             t.emitted += int(a.sum()) + tree.batch_size

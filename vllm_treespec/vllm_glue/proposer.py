@@ -157,10 +157,16 @@ class TreeEagleProposer(EagleProposer):
             parent_mask = side_mask
             side_offset += F
             level = builder.next_level(logprobs)
-        budget = None
+        budget, chain_only = None, False
         if self.policy is not None and self.topology is None:
-            budget = self.policy.select(builder.candidate_scores(), builder.M)
-        trees = builder.finish(next_token_ids[:batch_size].long(), budget)
+            budget, chain_only = self.policy.select(builder.candidate_scores(), builder.M,
+                                                    builder.chain_candidates())
+        roots = next_token_ids[:batch_size].long()
+        trees = (builder.finish(roots, budget, chain_only=True) if chain_only
+                 else builder.finish(roots, budget))
+        if self.policy is not None:
+            self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
+                                       branching=not chain_only)
         self._observe_draft(batch_size, levels_run, num_tokens,
                             t_first - t0, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:

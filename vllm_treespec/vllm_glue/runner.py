@@ -54,6 +54,7 @@ class TreeRunnerMixin:
         self._step_start: float | None = None
         self._step_tokens = 0
         self._step_is_decode = False
+        self._step_branching = False  # some tree of this step is not a chain
 
     # ------------------------------------------------------------- cost model
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
@@ -90,7 +91,8 @@ class TreeRunnerMixin:
         if policy is not None and self._step_start is not None and self._step_is_decode:
             drafted = getattr(self.drafter, "last_draft_seconds", 0.0)
             policy.observe_step(self._step_tokens,
-                                time.perf_counter() - self._step_start - drafted)
+                                time.perf_counter() - self._step_start - drafted,
+                                branching=self._step_branching)
         self._step_start = None
         return out
 
@@ -142,6 +144,7 @@ class TreeRunnerMixin:
         self._step_is_decode = bool(np.all(num_scheduled_tokens == 1 + num_drafts))
         self._step_tokens = int(num_scheduled_tokens.sum())
         self._step_start = time.perf_counter()
+        self._step_branching = False
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
             t0 = time.perf_counter()
@@ -233,7 +236,10 @@ class TreeRunnerMixin:
             block_size=bt.block_size, tree_mask=tree_mask(tree),
             max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
         total = int(self.query_start_loc.np[step.num_reqs])
-        return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total)
+        chain_only = bool(torch.equal(tree.causal_exact, tree.valid))
+        self._step_branching = not chain_only
+        return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
+                              chain_only=chain_only)
 
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
