@@ -11,8 +11,8 @@ and decides every step:
 
       R(d) = [B * (1 + A(d))] / [t(B * (1 + n(d))) + t_draft(d)]  /  [B / t(B)],
 
-  where t(N) = a + b*N is the step time for N verified tokens (fitted online,
-  seeded by a short calibration at startup), t_draft(d) the measured drafting
+  where t(N) is the step time for N verified tokens (a piecewise-linear table
+  from a timing sweep at startup, refined online), t_draft(d) the measured drafting
   time, A(d) the accepted drafts per request seen so far at depth <= d, and
   n(d) the nodes per request that trees drafted to depth d kept after the node
   selection below (a chain, n(d) = d, until observed: on a CPU, where every
@@ -37,9 +37,11 @@ Pure Python/torch; the runner feeds it timings and acceptance counts.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import random
 
+import numpy as np
 import torch
 
 
@@ -69,7 +71,9 @@ class LinearFit:
             return None
         var = sxx * sw - sx * sx
         if var <= 1e-9 * max(sw, 1.0) ** 2 * max(sxx / sw, 1.0):
-            return None
+            # Every sample at one x (e.g. drafting levels of a fixed width at
+            # batch 1): the mean is what it costs there.
+            return sy / sw, 0.0
         b = (sxy * sw - sx * sy) / var
         a = (sy - b * sx) / sw
         return a, max(b, 0.0)
@@ -79,13 +83,69 @@ class LinearFit:
         return None if c is None else max(c[0] + c[1] * x, 1e-6)
 
 
+class StepCostTable:
+    """Step seconds as a function of verified tokens N: piecewise linear through
+    measured knots, refined online.
+
+    A straight line cannot describe a step: a few tokens cost about the same as
+    one (the weights are read once either way), then cost grows with compute.
+    Knots come from a timing sweep at startup. Live steps differ from the sweep's
+    dummy forwards by a roughly constant factor (other per-step work), so each
+    live step first rescales the whole table a little toward what it took, then
+    moves the two knots around its N (least mean squares); one outside the knots
+    becomes a knot. Beyond the last knot the last segment is extended.
+    """
+
+    def __init__(self, rate: float = 0.02, scale_rate: float = 0.1):
+        self.rate = rate
+        self.scale_rate = scale_rate
+        self.n: list[float] = []
+        self.t: list[float] = []
+
+    def set_knot(self, n: float, seconds: float) -> None:
+        if n in self.n:
+            self.t[self.n.index(n)] = seconds
+            return
+        i = bisect.bisect(self.n, n)
+        self.n.insert(i, float(n))
+        self.t.insert(i, seconds)
+
+    def add(self, n: float, seconds: float) -> None:
+        if not self.n or n < self.n[0] or n > self.n[-1]:
+            self.set_knot(n, seconds)
+            return
+        scale = 1.0 + self.scale_rate * (seconds / self(n) - 1.0)
+        self.t = [t * scale for t in self.t]
+        i = min(bisect.bisect_right(self.n, n), len(self.n) - 1)
+        lo = max(i - 1, 0)
+        w = 0.0 if self.n[i] == self.n[lo] else (n - self.n[lo]) / (self.n[i] - self.n[lo])
+        err = seconds - self(n)
+        self.t[lo] += self.rate * (1 - w) * err
+        self.t[i] += self.rate * w * err
+
+    def costs(self, n: np.ndarray) -> np.ndarray | None:
+        """Predicted seconds for each N in ``n`` (None before any knot)."""
+        if not self.n:
+            return None
+        n = np.asarray(n, dtype=np.float64)
+        out = np.interp(n, self.n, self.t)
+        if len(self.n) > 1:
+            slope = max((self.t[-1] - self.t[-2]) / (self.n[-1] - self.n[-2]), 0.0)
+            out = np.where(n > self.n[-1], self.t[-1] + slope * (n - self.n[-1]), out)
+        return np.maximum(out, 1e-6)
+
+    def __call__(self, n: float) -> float | None:
+        c = self.costs(np.array([n]))
+        return None if c is None else float(c[0])
+
+
 class AdaptiveBudget:
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
                  probe_every: int = 32, seed: int = 0):
         self.M, self.D, self.K = num_nodes, depth, width
         self.margin = margin
         self.probe_every = probe_every
-        self.step_cost = LinearFit()          # seconds for N verified tokens (no drafting)
+        self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
         self.level_cost = LinearFit()         # seconds per drafting level vs B*width
         self.first_pass_cost = LinearFit()    # seconds of the drafter's first pass vs tokens
         self.kappa = 1.0                      # calibration of draft probabilities
@@ -196,27 +256,24 @@ class AdaptiveBudget:
         B = scores.shape[0]
         q = (self.kappa * torch.exp(scores.float())).clamp(max=1.0)
         q = torch.nan_to_num(q, nan=0.0)
-        coeff = self.step_cost.coefficients()
-        if coeff is None:
+        if self.step_cost.costs(np.array([B])) is None:
             return torch.full((B,), max_nodes, dtype=torch.long, device=scores.device), False
-        tree = self._best_prefix(q, max_nodes, coeff, max(self.branch_cost, 0.0))
+        tree = self._best_prefix(q, max_nodes, max(self.branch_cost, 0.0))
         if chain is None:
             return tree[0], False
         chain_pick = self._best_prefix(torch.where(chain, q, torch.zeros_like(q)), max_nodes,
-                                       coeff, 0.0)
+                                       0.0)
         return (chain_pick[0], True) if chain_pick[1] >= tree[1] else (tree[0], False)
 
-    @staticmethod
-    def _best_prefix(q: torch.Tensor, max_nodes: int, coeff: tuple[float, float],
+    def _best_prefix(self, q: torch.Tensor, max_nodes: int,
                      extra: float) -> tuple[torch.Tensor, float]:
         """Budgets of the batch-wide best prefix of candidates by q, and its rate."""
         B = q.shape[0]
         top = torch.topk(q, min(max_nodes, q.shape[1]), dim=1).values      # [B, m]
         flat, _ = torch.sort(top.reshape(-1), descending=True)
-        a, b = coeff
-        k = torch.arange(flat.numel() + 1, device=flat.device, dtype=torch.float32)
-        gain = B + torch.cat([flat.new_zeros(1), torch.cumsum(flat, 0)])
-        cost = a + b * (B + k) + extra * (k > 0)
+        k = np.arange(flat.numel() + 1)
+        cost = torch.from_numpy(self.step_cost.costs(B + k) + extra * (k > 0)).float()
+        gain = B + torch.cat([flat.new_zeros(1), torch.cumsum(flat.cpu(), 0)])
         rate = gain / cost
         best_k = int(torch.argmax(rate))
         if best_k == 0 or float(flat[best_k - 1]) <= 0.0:

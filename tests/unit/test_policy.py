@@ -2,10 +2,11 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from vllm_treespec.policy import AdaptiveBudget, LinearFit, probability_sum
+from vllm_treespec.policy import AdaptiveBudget, LinearFit, StepCostTable, probability_sum
 
 
 def test_linear_fit_recovers_cost_and_stays_identifiable_with_a_prior():
@@ -20,12 +21,39 @@ def test_linear_fit_recovers_cost_and_stays_identifiable_with_a_prior():
     assert a == pytest.approx(0.040, abs=0.004)
     assert b == pytest.approx(0.001, rel=0.15)
     assert LinearFit().coefficients() is None
+    one_size = LinearFit()
+    for _ in range(5):
+        one_size.add(8, 0.003)
+    assert one_size(8) == pytest.approx(0.003) and one_size.coefficients()[1] == 0.0
+
+
+def test_step_cost_table_interpolates_extrapolates_and_learns():
+    """The CPU's shape: 1-4 tokens cost about the same, then cost grows."""
+    table = StepCostTable()
+    assert table(3) is None
+    for n, t in ((1, 0.028), (4, 0.030), (16, 0.050), (64, 0.130)):
+        table.set_knot(n, t)
+    assert table(2) == pytest.approx(0.028 + 0.002 / 3)
+    assert table(1) == pytest.approx(0.028) and table(0.5) == pytest.approx(0.028)
+    assert table(128) == pytest.approx(0.130 + 64 * 0.080 / 48)  # last segment extended
+    # Live steps run 30 % slower than the sweep: the whole table follows.
+    for _ in range(200):
+        table.add(2, 1.3 * table_value(2))
+    assert table(2) == pytest.approx(1.3 * table_value(2), rel=0.01)
+    assert table(64) == pytest.approx(1.3 * 0.130, rel=0.05)
+    assert table(16) / table(4) == pytest.approx(0.050 / 0.030, rel=0.05)  # shape kept
+    table.add(1000, 1.0)  # outside: a new knot
+    assert table(1000) == pytest.approx(1.0)
+
+
+def table_value(n):
+    return float(np.interp(n, (1, 4, 16, 64), (0.028, 0.030, 0.050, 0.130)))
 
 
 def policy(base=0.040, per_token=0.001, accept=(0.8, 0.6, 0.45, 0.3, 0.2, 0.1)):
     p = AdaptiveBudget(num_nodes=32, depth=6, width=8, probe_every=0)
     for n in (1, 4, 16, 64, 256):
-        p.step_cost.add_prior(n, base + per_token * n)
+        p.step_cost.set_knot(n, base + per_token * n)
     p.accepted_at = list(accept)
     return p
 
