@@ -163,6 +163,7 @@ class AdaptiveBudget:
         self._rng = random.Random(seed)
         self._steps = 0
         self.last_depth = depth
+        self.probing = False  # this step explores (see plan_depth)
 
     # ---------------------------------------------------------------- observe
     def observe_step(self, num_tokens: int, seconds: float, branching: bool = False) -> None:
@@ -235,7 +236,8 @@ class AdaptiveBudget:
                 return self.D
             if r > best:
                 best_d, best = d, r
-        if self.probe_every and self._steps % self.probe_every == 0:
+        self.probing = bool(self.probe_every and self._steps % self.probe_every == 0)
+        if self.probing:
             # Explore one level deeper than the plan, to keep the statistics of
             # the next depth current (a full-depth probe of a wide batch would
             # cost more than the decision it informs).
@@ -263,6 +265,13 @@ class AdaptiveBudget:
             return tree[0], False
         chain_pick = self._best_prefix(torch.where(chain, q, torch.zeros_like(q)), max_nodes,
                                        0.0)
+        if self.probing:
+            # A probe verifies each request's chain down to the probed depth even
+            # when the estimates say no: otherwise estimates that went wrong (say,
+            # a drafter that was unlucky on its first requests) could never be
+            # corrected, and speculation would stay off for good.
+            depth = min(self.last_depth, max_nodes)
+            return torch.clamp(chain_pick[0], min=depth), True
         return (chain_pick[0], True) if chain_pick[1] >= tree[1] else (tree[0], False)
 
     def _best_prefix(self, q: torch.Tensor, max_nodes: int,

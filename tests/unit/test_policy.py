@@ -96,6 +96,22 @@ def test_probes_explore_one_level_deeper_even_when_off():
     assert planned[2] == planned[0] + 1 and planned[0] == planned[1] > 0
 
 
+def test_a_probe_verifies_the_chain_even_when_estimates_say_no():
+    """Estimates gone wrong (kappa at its floor after an unlucky start) must be
+    correctable: probe steps verify each request's chain to the probed depth."""
+    p = policy(accept=(0.0,) * 6)
+    p.kappa, p.probe_every = 0.05, 4
+    scores = torch.log(torch.tensor([[0.5, 0.4, 0.3, 0.2], [0.6, 0.1, 0.05, 0.01]]))
+    chain = torch.tensor([[True, False, True, False], [True, False, False, True]])
+    depths, picks = [], []
+    for _ in range(4):
+        depths.append(p.plan_depth(1))
+        picks.append(p.select(scores, 4, chain))
+    assert depths == [0, 0, 0, 1]
+    budgets, chain_only = picks[-1]
+    assert chain_only and budgets.tolist() == [1, 1]
+
+
 def test_acceptance_observations_calibrate_and_update_rates():
     p = policy()
     for _ in range(50):
