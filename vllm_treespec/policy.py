@@ -114,12 +114,14 @@ class StepCostTable:
         if not self.n or n < self.n[0] or n > self.n[-1]:
             self.set_knot(n, seconds)
             return
-        scale = 1.0 + self.scale_rate * (seconds / self(n) - 1.0)
-        self.t = [t * scale for t in self.t]
+        # One stalled step (a pause, a page fault storm) must not swing the table.
+        ratio = min(max(seconds / self(n), 0.5), 2.0)
+        self.t = [t * (1.0 + self.scale_rate * (ratio - 1.0)) for t in self.t]
         i = min(bisect.bisect_right(self.n, n), len(self.n) - 1)
         lo = max(i - 1, 0)
         w = 0.0 if self.n[i] == self.n[lo] else (n - self.n[lo]) / (self.n[i] - self.n[lo])
-        err = seconds - self(n)
+        predicted = self(n)
+        err = min(max(seconds - predicted, -0.5 * predicted), predicted)
         self.t[lo] += self.rate * (1 - w) * err
         self.t[i] += self.rate * w * err
 

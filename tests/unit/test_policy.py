@@ -42,6 +42,9 @@ def test_step_cost_table_interpolates_extrapolates_and_learns():
     assert table(2) == pytest.approx(1.3 * table_value(2), rel=0.01)
     assert table(64) == pytest.approx(1.3 * 0.130, rel=0.05)
     assert table(16) / table(4) == pytest.approx(0.050 / 0.030, rel=0.05)  # shape kept
+    before = table(16)
+    table.add(16, 100.0)  # one stalled step moves the table by at most 10 % (+2 % locally)
+    assert table(16) < 1.13 * before
     table.add(1000, 1.0)  # outside: a new knot
     assert table(1000) == pytest.approx(1.0)
 
