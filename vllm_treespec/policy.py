@@ -19,8 +19,11 @@ and decides every step:
   verified token costs, the selection often trims trees to short chains). The
   best d wins if R(d) beats 1 by a margin; otherwise speculation is off for the
   step (the drafter still reads the new tokens so it stays in sync).
-  Every ``probe_every`` steps it drafts one level deeper than planned, which
-  keeps the acceptance statistics of the next depth current.
+  Every ``probe_every`` steps it drafts one level deeper than planned and
+  verifies at least each request's chain to that depth, which keeps the
+  acceptance statistics of the next depth current (and lets wrong estimates
+  recover). t(.) also carries the branching extra below, in proportion to how
+  often trees drafted to depth d branched.
 
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
