@@ -13,17 +13,25 @@ and decides every step:
 
   where t(N) is the step time for N verified tokens (a piecewise-linear table
   from a timing sweep at startup, refined online), t_draft(d) the measured drafting
-  time, A(d) the accepted drafts per request seen so far at depth <= d, and
+  time (the drafter's first pass over the verified tokens plus d - 1 levels of
+  ``level_width(d)`` nodes per request), A(d) the accepted drafts per request seen so far at depth <= d, and
   n(d) the nodes per request that trees drafted to depth d kept after the node
   selection below (a chain, n(d) = d, until observed: on a CPU, where every
   verified token costs, the selection often trims trees to short chains). The
   best d wins if R(d) beats 1 by a margin; otherwise speculation is off for the
-  step (the drafter still reads the new tokens so it stays in sync).
+  step and costs what a plain step costs: the drafter does not run at all (the
+  proposer defers its inputs and catches its KV up when drafting resumes).
   Every ``probe_every`` steps it drafts one level deeper than planned and
   verifies at least each request's chain to that depth, which keeps the
   acceptance statistics of the next depth current (and lets wrong estimates
   recover). t(.) also carries the branching extra below, in proportion to how
   often trees drafted to depth d branched.
+
+* **how wide to draft**: a level forwards only frontier nodes whose children
+  can still be verified. Where the selection below keeps chains (branch_at(d)
+  below one half: a device whose causal kernel makes branching dear), levels
+  forward one node per request, the chain's tip, and cost what a stock chain
+  draft step costs; otherwise the full frontier of ``width`` nodes.
 
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
@@ -183,11 +191,13 @@ class AdaptiveBudget:
         if plain is not None:
             self.branch_cost = 0.8 * self.branch_cost + 0.2 * (seconds - plain)
 
-    def observe_draft(self, batch: int, width: int, levels: int, first_pass_tokens: int,
-                      first_pass_s: float, levels_s: float) -> None:
+    def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
+                      nodes_forwarded: int, levels_s: float) -> None:
+        """A drafting step: its first pass, and ``levels`` levels that forwarded
+        ``nodes_forwarded`` nodes in all (batch x width, summed over levels)."""
         self.first_pass_cost.add(first_pass_tokens, first_pass_s)
         if levels > 0:
-            self.level_cost.add(batch * width, levels_s / levels)
+            self.level_cost.add(nodes_forwarded / levels, levels_s / levels)
 
     def observe_acceptance(self, accepted: list[int], depth_used: int,
                            predicted: float) -> None:
@@ -215,6 +225,14 @@ class AdaptiveBudget:
     def _nodes_for_depth(self, d: int) -> float:
         return min(float(self.M), self.nodes_at[d - 1])
 
+    def level_width(self, d: int) -> int:
+        """Frontier nodes per request that a step drafted to depth ``d`` forwards
+        at each level: the chain's tip alone while selections at that depth keep
+        chains, else the full frontier."""
+        if d < 1:
+            return self.K
+        return 1 if self.branch_at[min(d, self.D) - 1] < 0.5 else self.K
+
     def predicted_ratio(self, batch: int, d: int) -> float | None:
         plain = self.step_cost(batch)
         if plain is None:
@@ -223,7 +241,10 @@ class AdaptiveBudget:
             return 1.0
         n = self._nodes_for_depth(d)
         t = self.step_cost(batch * (1 + n))
-        draft = (self.level_cost(batch * self.K) or 0.0) * (d - 1)
+        # An off step skips the drafter entirely, so a drafting step pays its
+        # first pass as well as its levels.
+        draft = ((self.first_pass_cost(batch * (1 + n)) or 0.0)
+                 + (self.level_cost(batch * self.level_width(d)) or 0.0) * (d - 1))
         if t is None:
             return None
         t += max(self.branch_cost, 0.0) * self.branch_at[d - 1]

@@ -5,8 +5,9 @@
 SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
-       "n_per_prompt": int}
+       "n_per_prompt": int, "schedule": {"off_steps", "period", "mode"} | null}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
+       "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "seconds": float, "preemptions": int, "prefix_cache_hits": int}
 
 Each engine runs in a fresh process so tests never share vLLM global state.
@@ -34,6 +35,10 @@ def main(spec_path: str, out_path: str) -> None:
         o = spec["oracle"]
         llm.collective_rpc(oracle.install, args=(o["reference"], o.get("seed", 0)),
                            kwargs={"mode": o.get("mode", "greedy")})
+    if spec.get("schedule") and tree_mode:
+        sch = spec["schedule"]
+        llm.collective_rpc(oracle.schedule_speculation,
+                           args=(sch["off_steps"], sch["period"], sch["mode"]))
     if spec.get("break_stochastic") and tree_mode:
         llm.collective_rpc(oracle.break_stochastic_acceptance)
     sampling = SamplingParams(**spec["sampling"])
@@ -55,13 +60,15 @@ def main(spec_path: str, out_path: str) -> None:
     seconds = time.perf_counter() - t0
     outputs = [[list(c.token_ids) for c in r.outputs] for r in results]
     tree = llm.collective_rpc(oracle.tree_metrics)[0] if tree_mode else None
+    drafts = (llm.collective_rpc(oracle.recorded_drafts)[0]
+              if spec.get("schedule") and tree_mode else None)
     metrics = llm.get_metrics()
 
     def counter(name: str) -> float:
         return sum(getattr(m, "value", 0) for m in metrics if m.name == name)
 
     with open(out_path, "w") as f:
-        json.dump({"outputs": outputs, "tree": tree, "seconds": seconds,
+        json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
                    "preemptions": counter("vllm:num_preemptions"),
                    "prefix_cache_hits": counter("vllm:prefix_cache_hits")}, f)
 

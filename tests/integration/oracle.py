@@ -15,6 +15,7 @@ outputs fails — the oracle cannot hide a wrong verification.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import types
 
@@ -178,3 +179,66 @@ def break_stochastic_acceptance(worker) -> bool:
 
     tree_sampler.stochastic_accept = greedy_instead
     return True
+
+
+def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer") -> bool:
+    """collective_rpc target: a deterministic adaptive budget that keeps
+    speculation off for ``off_steps`` of every ``period`` drafting decisions and
+    drafts full trees otherwise; records each request's first draft token per
+    root position (``recorded_drafts``).
+
+    mode "defer": the product's behaviour (off steps skip the drafter, the next
+        drafting step catches its KV up);
+    mode "reference": the drafter runs every step (nothing deferred);
+    mode "drop": negative control: deferred inputs are thrown away instead of
+        caught up, so the drafter's KV misses the off steps' positions.
+    """
+    from vllm_treespec.policy import AdaptiveBudget
+
+    runner = worker.model_runner
+    drafter = runner.drafter
+    cfg = runner.tree_cfg
+    policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.max_children, probe_every=0)
+    calls = [0]
+
+    def plan_depth(self, batch):
+        calls[0] += 1
+        depth = 0 if calls[0] % period < off_steps else cfg.depth
+        self.last_depth = depth
+        return depth
+
+    policy.plan_depth = types.MethodType(plan_depth, policy)
+    policy.observe_step = lambda *a, **k: None  # no cost model: select keeps full trees
+    runner.tree_policy = drafter.policy = policy
+    drafter.defer_when_off = mode != "reference"
+    if mode == "drop":
+        take = drafter.deferred.take
+        drafter.deferred.take = lambda *a, **k: (take(*a, **k), None)[1]
+    record: dict[str, list] = {}
+    original = drafter.propose
+
+    def propose(self, *args, **kwargs):
+        drafts = original(*args, **kwargs)
+        cad = kwargs["common_attn_metadata"]
+        rejected = kwargs.get("num_rejected_tokens_gpu")
+        B = cad.batch_size()
+        root = cad.seq_lens[:B].long()
+        if rejected is not None:
+            root = root - rejected[:B].long()
+        for b, req_id in enumerate(runner.input_batch.req_ids[:B]):
+            if drafts[b]:  # keyed by prompt: request ids differ between engines
+                prompt = ",".join(map(str, runner.requests[req_id].prompt_token_ids))
+                key = hashlib.sha256(prompt.encode()).hexdigest()[:12]
+                record[f"{key}@{int(root[b])}"] = drafts[b][0]
+        return drafts
+
+    drafter.propose = types.MethodType(propose, drafter)
+    worker._treespec_drafts = record
+    return True
+
+
+def recorded_drafts(worker) -> dict:
+    """collective_rpc target: what ``schedule_speculation`` recorded, plus how many
+    deferred drafter tokens were caught up."""
+    return {"drafts": worker._treespec_drafts,
+            "caught_up": worker.model_runner.drafter.catch_up_tokens}

@@ -232,3 +232,55 @@ def test_static_tree_fills_tokens_by_rank():
 def test_static_choices_need_parents():
     with pytest.raises(ValueError, match="has no parent"):
         StaticTopology.from_choices([[0], [1, 0]])
+
+
+def _expand(builder, root, levels, width_fn):
+    """Run a builder, forwarding ``width_fn(builder, F)`` frontier nodes per level.
+    ``levels[d]`` holds the draft log-probs after every node of frontier slot f."""
+    builder.first_level(root)
+    forwarded, d = [], 0
+    while not builder.done:
+        w = width_fn(builder, levels[d].shape[1])
+        forwarded.append(w)
+        builder.next_level(levels[d][:, :w])
+        d += 1
+    return forwarded
+
+
+@given(K=st.integers(1, 5), D=st.integers(2, 5), M_frac=st.floats(0.05, 1.0),
+       seed=st.integers(0, 2**31))
+def test_forwarding_only_selectable_nodes_keeps_the_same_tree(K, D, M_frac, seed):
+    """Exact pruning: frontier nodes whose children cannot enter the top-M are not
+    forwarded, and the final tree is exactly the one of a full-width expansion."""
+    gen = torch.Generator().manual_seed(seed)
+    B, V = 3, 13
+    M = max(1, int(M_frac * (K + (D - 1) * K * K)))
+    root = torch.randn(B, V, generator=gen).log_softmax(-1)
+    # The drafter's output after a node depends only on that node: frontier slot f
+    # of the pruned run is slot f of the full run (both sorted by score).
+    levels = [torch.randn(B, K, V, generator=gen).log_softmax(-1) for _ in range(D - 1)]
+    full, pruned = DynamicTreeBuilder(B, K, D, M), DynamicTreeBuilder(B, K, D, M)
+    _expand(full, root, levels, lambda b, F: F)
+    widths = _expand(pruned, root, levels, lambda b, F: min(F, b.selectable_width()))
+    a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
+    for name in ("token", "parent", "depth", "num_nodes"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    if M <= K:  # nothing below depth 1 can beat the root's M best children
+        assert all(w <= M for w in widths)
+
+
+@given(K=st.integers(1, 5), D=st.integers(1, 6), seed=st.integers(0, 2**31))
+def test_one_wide_levels_draft_the_greedy_chain(K, D, seed):
+    """Forwarding one node per level (the chain's tip) drafts exactly the chain a
+    stock EAGLE drafter of depth D proposes (argmax after each token)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, V = 2, 17
+    root = torch.randn(B, V, generator=gen).log_softmax(-1)
+    levels = [torch.randn(B, 1, V, generator=gen).log_softmax(-1) for _ in range(D - 1)]
+    builder = DynamicTreeBuilder(B, K, D, K + (D - 1) * K * K)
+    assert _expand(builder, root, levels, lambda b, F: 1) == [1] * (D - 1)
+    tree = builder.finish(torch.arange(B), chain_only=True)
+    expect = torch.stack([root.argmax(-1)] + [lp[:, 0].argmax(-1) for lp in levels], 1)
+    assert tree.num_nodes.tolist() == [D] * B
+    assert torch.equal(tree.token[:, 1:D + 1], expect)
+    assert torch.equal(tree.parent[:, 1:D + 1], torch.arange(D).expand(B, D))

@@ -178,3 +178,27 @@ def test_selected_nodes_are_each_requests_best():
 def test_probability_sum_counts_only_verified_nodes():
     scores = torch.log(torch.tensor([[1.0, 0.5, 0.25, 0.1]]))
     assert probability_sum(scores, torch.tensor([2])) == pytest.approx(0.75)
+
+
+def test_levels_are_one_wide_while_selections_keep_chains():
+    p = policy()
+    assert [p.level_width(d) for d in range(1, 7)] == [1] * 6  # chains until trees branch
+    for _ in range(10):
+        p.observe_budget(3, 6.0, branching=True)
+    assert p.level_width(3) == 8 and p.level_width(2) == 1
+    # The level cost is fitted per forwarded node: one-wide levels are costed as such.
+    for _ in range(20):
+        p.observe_draft(1, 0.001, levels=2, nodes_forwarded=2, levels_s=0.004)
+        p.observe_draft(1, 0.001, levels=2, nodes_forwarded=16, levels_s=0.018)
+    assert p.level_cost(1) == pytest.approx(0.002, rel=0.05)
+    assert p.level_cost(8) == pytest.approx(0.009, rel=0.05)
+
+
+def test_a_drafting_step_pays_the_first_pass_an_off_step_skips():
+    """Off skips the drafter entirely, so speculation must beat a plain step
+    including the drafter's first pass over the verified tokens."""
+    cheap, dear = policy(accept=(0.2,) + (0.0,) * 5), policy(accept=(0.2,) + (0.0,) * 5)
+    for _ in range(20):
+        dear.observe_draft(2, 0.012, levels=0, nodes_forwarded=0, levels_s=0.0)
+    assert cheap.predicted_ratio(1, 1) > dear.predicted_ratio(1, 1) + 0.15
+    assert cheap.plan_depth(1) == 1 and dear.plan_depth(1) == 0

@@ -56,6 +56,35 @@ class TreeAttentionPlan:
     q_valid: torch.Tensor     # [B, Q]
     bias: torch.Tensor        # [B, 1, Q, nblk*block_size] additive mask (0 / -inf)
     out_rows: torch.Tensor    # [Nv] flat output rows of the valid (request, node) pairs
+    _layer_inputs: dict = dataclasses.field(default_factory=dict)
+
+    def layer_inputs(self, kv_heads: int, head_size: int, block_size: int, group: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row ids, grouped bias) for ``tree_attention``; built by the first layer
+        of a step, shared by the others.
+
+        The cache viewed as rows of ``block_size`` elements holds, per (block, KV
+        head), Dh rows of K^T followed by Dh rows of V (V's [block_size, Dh] is
+        Dh such rows). Ordering the row ids (request, head, d, block) for K^T and
+        (request, head, block, r) for V makes one ``index_select`` return K^T as
+        [B, KVH, Dh, L] and V as [B, KVH, L, Dh], both contiguous. The bias is
+        repeated for the ``group`` query heads that share a KV head.
+        """
+        key = (kv_heads, head_size, block_size, group, dtype)
+        if key not in self._layer_inputs:
+            B, nblk = self.blocks.shape
+            dev = self.blocks.device
+            chunk = ((self.blocks.long().view(B, 1, nblk) * kv_heads
+                      + torch.arange(kv_heads, device=dev).view(1, kv_heads, 1)) * 2 * head_size)
+            d = torch.arange(head_size, device=dev)
+            k_rows = chunk.unsqueeze(2) + d.view(1, 1, head_size, 1)               # [B, H, Dh, n]
+            v_rows = chunk.unsqueeze(3) + head_size + d.view(1, 1, 1, head_size)   # [B, H, n, Dh]
+            rows = torch.cat([k_rows.reshape(B, kv_heads, -1), v_rows.reshape(B, kv_heads, -1)],
+                             dim=2).reshape(-1)
+            _, _, Q, L = self.bias.shape
+            bias = self.bias.to(dtype).expand(B, group, Q, L).reshape(B, 1, group * Q, L)
+            self._layer_inputs[key] = (rows, bias.contiguous())
+        return self._layer_inputs[key]
 
 
 def plan(meta: PagedTreeAttentionMetadata, dtype: torch.dtype) -> TreeAttentionPlan:
@@ -84,17 +113,29 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, p: TreeAttention
                    scale: float) -> torch.Tensor:
     """query [N, H, Dh] (packed rows of the plan) -> [Nv, H, Dh] in plan order.
 
+    One row gather per layer brings each request's K^T [KVH, Dh, L] and V
+    [KVH, L, Dh] out of the cache already contiguous (``layer_rows``), so the
+    attention is two plain matmuls with query heads grouped by KV head (GQA
+    without repeating K/V). Per-layer work is a handful of large ops: at batch
+    1 op overhead, not data, is what separates this from the native kernel.
+
     Garbage in never-written cache slots cannot leak: those keys are masked with
-    -inf and their values zeroed before the weighted sum.
+    -inf and non-finite values zeroed before the weighted sum.
     """
-    H, Dh = query.shape[1], query.shape[2]
-    k, v = gather_blocks(kv_cache, p.blocks, Dh)  # fresh copies: safe to clean in place
-    k = k.to(query.dtype).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    v = v.to(query.dtype).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-    q = query[p.q_index].permute(0, 2, 1, 3)                        # [B, H, Q, Dh]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.bias.to(q.dtype), scale=scale,
-                                       enable_gqa=H != k.shape[1])
-    return o.permute(0, 2, 1, 3)[p.q_valid]
+    _, H, Dh = query.shape
+    B, nblk = p.blocks.shape
+    _, kvh, bs, _ = kv_cache.shape
+    G, Q, L = H // kvh, p.q_index.shape[1], nblk * bs
+    rows, bias = p.layer_inputs(kvh, Dh, bs, G, query.dtype)
+    kv = kv_cache.view(-1, bs).index_select(0, rows).view(B, kvh, 2, Dh * L)
+    kv = kv.to(query.dtype).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    k_t, v = kv[:, :, 0].view(B, kvh, Dh, L), kv[:, :, 1].view(B, kvh, L, Dh)
+    q = (query[p.q_index].view(B, Q, kvh, G, Dh).permute(0, 2, 3, 1, 4)
+         .reshape(B, kvh, G * Q, Dh))                       # rows (g, node) per KV head
+    scores = torch.addcmul(bias, torch.matmul(q, k_t), torch.tensor(scale, dtype=q.dtype))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)    # [B, KVH, G*Q, Dh]
+    out = out.view(B, kvh, G, Q, Dh).permute(0, 3, 1, 2, 4).reshape(B, Q, H, Dh)
+    return out[p.q_valid]
 
 
 def gather_prefix(kv_cache: torch.Tensor, block_table: torch.Tensor, prefix_len: torch.Tensor,

@@ -17,8 +17,9 @@ Both builders share one interface, so the proposer does not care which it has:
 
     level = builder.first_level(root_logprobs)          # [B, V]
     while not builder.done:
-        frontier_logprobs = drafter(level.tokens, level.parent_slot, ...)
-        level = builder.next_level(frontier_logprobs)   # [B, F, V]
+        w = builder.selectable_width()                  # dynamic trees: skip hopeless nodes
+        frontier_logprobs = drafter(level.tokens[:, :w], level.parent_slot[:, :w], ...)
+        level = builder.next_level(frontier_logprobs)   # [B, w, V]
     tree = builder.finish(root_tokens)
 
 Everything is tensor code without host synchronisation.
@@ -140,36 +141,56 @@ class DynamicTreeBuilder:
         self.on_chain[rows, self._chain_tip] = True
         return Level(tokens=tok, parent_slot=torch.zeros_like(tok), depth=1, node_id=ids)
 
+    def selectable_width(self) -> int:
+        """How many of the frontier's best nodes can still have a child in the
+        final top-``num_nodes`` (the largest such count over the batch).
+
+        A child scores strictly below its parent, so when ``num_nodes`` candidates
+        already score at least as high as a frontier node, none of its
+        descendants can be selected: forwarding it would be wasted drafter work.
+        The frontier is sorted by score, so the nodes worth forwarding are a
+        prefix of it. One host sync.
+        """
+        assert self._frontier_score is not None
+        cand = self.scores[:, 1:self._next_free]                                  # [B, N]
+        ahead = (cand.unsqueeze(1) >= self._frontier_score.unsqueeze(-1)).sum(-1)  # [B, k]
+        return max(int((ahead < self.M).sum(1).max()), 1)
+
     def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
-        """Expand the frontier. frontier_logprobs: [B, k, V] draft log-probs after each
-        frontier node (in the order of the previous Level)."""
+        """Expand the frontier. frontier_logprobs: [B, w, V] draft log-probs after the
+        first ``w <= k`` frontier nodes (in the order of the previous Level; the
+        frontier is sorted by score, so these are its w best). Nodes beyond w are
+        not expanded: their would-be children stay non-candidates."""
         assert 1 <= self._level < self.depth and self._frontier_id is not None
         k = self.k
-        logp, tok = top_k_sanitized(frontier_logprobs, k, self.token_map)  # [B, k, k]
-        parent_score = self._frontier_score.unsqueeze(-1).expand(-1, -1, k)
-        cum = strictly_below(parent_score, parent_score + logp).reshape(self.B, k * k)
+        w = frontier_logprobs.shape[1]
+        assert 1 <= w <= k, (w, k)
+        logp, tok = top_k_sanitized(frontier_logprobs, k, self.token_map)  # [B, w, k]
+        parent_score = self._frontier_score[:, :w].unsqueeze(-1).expand(-1, -1, k)
+        cum = strictly_below(parent_score, parent_score + logp).reshape(self.B, w * k)
         start = self._next_free
-        self.tokens[:, start:start + k * k] = tok.reshape(self.B, k * k)
-        self.scores[:, start:start + k * k] = cum
+        self.tokens[:, start:start + w * k] = tok.reshape(self.B, w * k)
+        self.scores[:, start:start + w * k] = cum
         self.depths[:, start:start + k * k] = self._level + 1
-        self.parents[:, start:start + k * k] = (
-            self._frontier_id.unsqueeze(-1).expand(-1, -1, k).reshape(self.B, k * k))
-        # Extend the greedy chain where its tip was expanded (is in the frontier).
-        tip_slot = self._frontier_id == self._chain_tip.unsqueeze(1)           # [B, k]
+        self.parents[:, start:start + w * k] = (
+            self._frontier_id[:, :w].unsqueeze(-1).expand(-1, -1, k).reshape(self.B, w * k))
+        # Extend the greedy chain where its tip was expanded (is in the forwarded
+        # frontier; with w = 1 the tip is always slot 0).
+        tip_slot = self._frontier_id[:, :w] == self._chain_tip.unsqueeze(1)       # [B, w]
         extended = tip_slot.any(1)
         f = tip_slot.int().argmax(1)
         rows = torch.arange(self.B, device=self.device)
-        child = cum.view(self.B, k, k)[rows, f].argmax(1)
+        child = cum.view(self.B, w, k)[rows, f].argmax(1)
         tip = start + f * k + child
         self.on_chain[rows[extended], tip[extended]] = True
         # A chain that ended stays ended (the sentinel matches no candidate id).
         self._chain_tip = torch.where(extended, tip, torch.full_like(tip, self.tokens.shape[1]))
-        best_score, best = torch.topk(cum, k, dim=-1)  # next frontier among k*k
+        best_score, best = torch.topk(cum, k, dim=-1)  # next frontier among w*k
         self._frontier_id = start + best
         self._frontier_score = best_score
         self._level += 1
-        self._next_free = start + k * k
-        return Level(tokens=torch.gather(tok.reshape(self.B, k * k), 1, best),
+        self._next_free = start + k * k  # ids keep the k*k layout whatever w was
+        return Level(tokens=torch.gather(tok.reshape(self.B, w * k), 1, best),
                      parent_slot=torch.div(best, k, rounding_mode="floor"),
                      depth=self._level, node_id=self._frontier_id)
 

@@ -392,6 +392,13 @@ def tree_ascend_proposer_class() -> type:
     from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 
     class TreeAscendEagleProposer(TreeEagleProposer, AscendEagleProposer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            # The catch-up pass builds its own CommonAttentionMetadata; whether
+            # vllm-ascend's metadata builder accepts it has not been run on an NPU,
+            # so the drafter keeps running every step there (the old behaviour).
+            self.defer_when_off = False
+
         def set_inputs_first_pass(self, *args, **kwargs):
             num_tokens, token_indices_to_sample, cad, *_ = super().set_inputs_first_pass(
                 *args, **kwargs)

@@ -13,6 +13,14 @@ earlier levels' nodes (kept in a per-layer side buffer, see ``cpu_attention``).
 The best ``num_nodes`` candidates form the tree; its tokens go to the scheduler
 as the request's draft tokens (BFS order), and its shape is kept here until the
 runner verifies it.
+
+A level forwards only the frontier nodes that can still matter: those whose
+children can enter the final top-``num_nodes`` (``selectable_width``) and, with
+the adaptive budget, at most ``level_width`` per request (one, the chain's tip,
+while its selections keep chains), so a chain costs a stock chain's drafting.
+When the budget says "no drafts" for a decode step, the first pass is skipped
+too and its inputs deferred (``deferred_drafts``); the next drafting step
+catches the drafter's KV up in one batched pass before its own first pass.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import time
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
+from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 
@@ -54,6 +64,12 @@ class TreeEagleProposer(EagleProposer):
         # Set by the runner when the adaptive budget is on (vllm_treespec.policy).
         self.policy = None
         self.last_depth = cfg.depth
+        # Drafter passes skipped while speculation is off (see deferred_drafts);
+        # half the token budget, so that a catch-up pass plus a step's tokens fit
+        # the drafter's buffers.
+        self.deferred = DeferredDrafts(max(1, self.max_num_tokens // 2))
+        self.defer_when_off = True  # False: run the first pass every step (reference)
+        self.catch_up_tokens = 0
 
     # ------------------------------------------------------------------ drafts
     def _draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -86,6 +102,10 @@ class TreeEagleProposer(EagleProposer):
                 num_rejected_tokens_gpu=None, slot_mappings=None):
         t0 = time.perf_counter()
         batch_size = common_attn_metadata.batch_size()
+        req_ids = list(self.runner.input_batch.req_ids[:batch_size])
+        depth = self.policy.plan_depth(batch_size) if self.policy is not None \
+            else self.tree_cfg.depth
+        self.last_depth = depth
         target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
 
         # --- first pass: stock EAGLE over the (compacted) accepted chain -----
@@ -94,6 +114,21 @@ class TreeEagleProposer(EagleProposer):
             target_positions=target_positions, target_hidden_states=target_hidden_states,
             token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
+        first_rows = cad.query_start_loc_cpu[:batch_size].tolist()
+        if (depth == 0 and self.defer_when_off
+                and cad.max_query_len <= 1 + self.tree_cfg.num_nodes):
+            # Off, and no prefill chunk: a plain step would not run the drafter,
+            # so neither do we (its inputs wait in self.deferred).
+            self.deferred.defer(req_ids, self.input_ids[:num_tokens],
+                                self._get_positions(num_tokens), self.hidden_states[:num_tokens],
+                                first_rows, token_indices_to_sample.tolist())
+            if self.deferred.total_tokens > self.deferred.max_tokens:
+                self._catch_up(cad, req_ids, None)
+            return self._finish_step(self._hand_over(None), t0)
+        if len(self.deferred):
+            positions = self._get_positions(num_tokens)
+            self._catch_up(cad, req_ids, positions[first_rows].tolist())
+        t_catch_up = time.perf_counter()
         _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad)
         model_kwargs, _ = self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
         with set_forward_context(per_layer_md, self.vllm_config, num_tokens=num_tokens,
@@ -102,11 +137,7 @@ class TreeEagleProposer(EagleProposer):
                                                                      cad.slot_mapping)):
             last_hidden, hidden = self.model(**model_kwargs)
         t_first = time.perf_counter()
-        depth = self.policy.plan_depth(batch_size) if self.policy is not None \
-            else self.tree_cfg.depth
-        self.last_depth = depth
-        if depth == 0:  # not worth speculating this step; the drafter KV is in sync
-            self._observe_draft(batch_size, 0, num_tokens, t_first - t0, 0.0)
+        if depth == 0:  # a prefill step: the drafter read it, nothing to draft
             return self._finish_step(self._hand_over(None), t0)
         root_hidden = hidden[token_indices_to_sample]               # [B, d]
         root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
@@ -125,11 +156,17 @@ class TreeEagleProposer(EagleProposer):
         max_prefix = int(prefix_len.max()) if batch_size else 0
         block_table = cad.block_table_tensor[:batch_size]
         scratch: dict = {}  # per-step backend state shared by the levels
-        levels_run = 0
+        levels_run = nodes_forwarded = 0
+        dynamic = self.topology is None
+        width_cap = (self.policy.level_width(depth) if self.policy is not None
+                     else self.tree_cfg.top_k)
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
             F = level.tokens.shape[1]
-            slot = level.parent_slot                                   # [B, F]
+            if dynamic:  # forward only frontier nodes whose children can still be kept
+                F = min(F, width_cap, builder.selectable_width())
+            tokens, slot = level.tokens[:, :F], level.parent_slot[:, :F]   # [B, F]
+            nodes_forwarded += batch_size * F
             h_in = torch.gather(parent_hidden, 1,
                                 slot.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
             # Each node sees its parent's side entries plus its own new column.
@@ -149,7 +186,7 @@ class TreeEagleProposer(EagleProposer):
                                      cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                      slot_mapping={}):
                 last_hidden, hidden = self.model(
-                    input_ids=level.tokens.reshape(n).int(),
+                    input_ids=tokens.reshape(n).int(),
                     positions=positions.repeat_interleave(F),  # contiguous: kernels index it raw
                     hidden_states=h_in.reshape(n, -1))
             logprobs = self._draft_vocab_logprobs(last_hidden).view(batch_size, F, -1)
@@ -167,8 +204,8 @@ class TreeEagleProposer(EagleProposer):
         if self.policy is not None:
             self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
                                        branching=not chain_only)
-        self._observe_draft(batch_size, levels_run, num_tokens,
-                            t_first - t0, time.perf_counter() - t_first)
+            self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
+                                      nodes_forwarded, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         self.last_trees = trees
@@ -209,17 +246,44 @@ class TreeEagleProposer(EagleProposer):
                               if i in set(self.topology.parent[1:])) + 1)
         return max(1, cfg.top_k * (cfg.depth - 1))
 
-    def _observe_draft(self, batch: int, levels: int, first_tokens: int, first_s: float,
-                       levels_s: float) -> None:
-        if self.policy is not None:
-            self.policy.observe_draft(batch, self.tree_cfg.top_k, levels, first_tokens,
-                                      first_s, levels_s)
+    def _catch_up(self, cad, req_ids: list[str], step_start: list[int] | None) -> None:
+        """Forward the deferred drafter inputs of this batch's requests in one
+        pass: it writes the drafter KV their skipped first passes did not."""
+        batch = self.deferred.take(req_ids, step_start)
+        if batch is None:
+            return
+        dev = self.device
+        rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
+        q_lens = torch.tensor(batch.query_lens, dtype=torch.int32)
+        qsl = torch.zeros(len(batch.rows) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(q_lens, 0)
+        block_table = cad.block_table_tensor[rows]
+        positions = batch.positions.to(dev)
+        span = torch.repeat_interleave(torch.arange(len(batch.rows), device=dev),
+                                       q_lens.to(dev).long())
+        bs = self.block_size
+        slots = block_table[span, positions // bs].long() * bs + positions % bs
+        n = int(qsl[-1])
+        catch_up_cad = CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl,
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
+            num_reqs=len(batch.rows), num_actual_tokens=n, max_query_len=int(q_lens.max()),
+            max_seq_len=max(batch.seq_lens), block_table_tensor=block_table,
+            slot_mapping=slots, positions=positions)
+        _, per_layer_md = self.build_per_group_and_layer_attn_metadata(catch_up_cad)
+        with set_forward_context(per_layer_md, self.vllm_config, num_tokens=n,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                 slot_mapping=self._get_slot_mapping(n, slots)):
+            self.model(input_ids=batch.ids.to(dev), positions=positions,
+                       hidden_states=batch.hidden.to(dev))
+        self.catch_up_tokens += n
 
     def _hand_over(self, trees: TreeBatch | None) -> list[list[int]]:
         """Draft token lists for the scheduler; remember each tree's shape."""
         req_ids = self.runner.input_batch.req_ids
         if trees is None:
-            self.forget(req_ids)
+            for r in req_ids:
+                self.proposed.pop(r, None)
             return [[] for _ in req_ids]
         tokens = trees.token.cpu().numpy()
         parents = trees.parent.cpu().numpy()
@@ -255,6 +319,8 @@ class TreeEagleProposer(EagleProposer):
         return list(scheduled), list(range(n)), 0.0
 
     def forget(self, req_ids) -> None:
+        """Finished requests: drop their trees and deferred drafter inputs."""
         for r in req_ids:
             self.proposed.pop(r, None)
+        self.deferred.forget(req_ids)
 

@@ -1,0 +1,60 @@
+"""While speculation is off the drafter does not run; its KV is caught up later.
+
+A fixed schedule keeps speculation off for 4 of every 6 steps (the adaptive
+budget's decision, made deterministic). With the shipped drafter, the first
+draft token of every drafting step, keyed by request and root position, must
+be what a drafter that ran every step proposes: the catch-up pass writes the KV
+the skipped passes would have written. The negative control throws the
+deferred inputs away instead; its drafts then differ often, which shows the
+comparison can fail. Output is identical to plain decoding in every mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import base_engine, run_engine
+from tests.integration.prompts import chat_token_ids
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 64
+TREE = {"method": "eagle3_tree", "num_nodes": 8, "depth": 3, "top_k": 4}
+
+
+def run(target_dir, drafter, prompts, engine_dir, mode):
+    spec = {"engine": base_engine(target_dir,
+                                  speculative_config=dict(TREE, model=str(drafter))),
+            "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
+            "schedule": {"off_steps": 4, "period": 6, "mode": mode}}
+    return run_engine(spec, engine_dir, f"deferred_{mode}")
+
+
+def agreement(a: dict, b: dict) -> tuple[float, int]:
+    common = set(a) & set(b)
+    return sum(a[k] == b[k] for k in common) / max(len(common), 1), len(common)
+
+
+def test_catch_up_restores_the_drafts_of_a_drafter_that_never_skipped(target_dir, tokenizer,
+                                                                       engine_dir):
+    from vllm_treespec.assets import committed_drafter_dir
+
+    drafter = committed_drafter_dir()
+    prompts = chat_token_ids(tokenizer)[:8]
+    plain = run_engine({"engine": base_engine(target_dir), "prompts": prompts,
+                        "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}},
+                       engine_dir, "deferred_plain")
+    outs = {m: run(target_dir, drafter, prompts, engine_dir, m)
+            for m in ("reference", "defer", "drop")}
+    for mode, out in outs.items():
+        assert out["outputs"] == plain["outputs"], f"{mode}: output differs from plain decoding"
+    assert outs["reference"]["drafts"]["caught_up"] == 0
+    assert outs["defer"]["drafts"]["caught_up"] > 100  # the off steps' tokens, batched
+    ref = outs["reference"]["drafts"]["drafts"]
+    same, n = agreement(ref, outs["defer"]["drafts"]["drafts"])
+    dropped, m = agreement(ref, outs["drop"]["drafts"]["drafts"])
+    assert n >= 50 and m >= 50, (n, m)
+    assert same >= 0.97, f"caught-up drafts agree on {same:.1%} of {n} steps"
+    assert dropped < same - 0.05, (
+        f"negative control: without catch-up {dropped:.1%} of {m} drafts still agree "
+        f"(with it {same:.1%}); the comparison cannot see a missing KV")

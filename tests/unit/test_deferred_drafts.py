@@ -1,0 +1,68 @@
+"""Bookkeeping of the drafter inputs deferred while speculation is off."""
+
+import torch
+
+from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
+
+
+def step(req_positions: list[list[int]], d: int = 4):
+    """One step's first-pass inputs: rows laid out request after request; the
+    ids and hidden rows encode their position so the test can follow them."""
+    pos = torch.tensor([p for ps in req_positions for p in ps])
+    first, last, at = [], [], 0
+    for ps in req_positions:
+        first.append(at)
+        last.append(at + len(ps) - 1)
+        at += len(ps)
+    return pos + 1000, pos, pos.float().unsqueeze(1).expand(-1, d).clone(), first, last
+
+
+def test_consecutive_steps_merge_into_one_span_per_request():
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([[10], [20, 21, 22]])
+    dd.defer(["a", "b"], ids, pos, hid, first, last)
+    ids, pos, hid, first, last = step([[11], [23]])
+    dd.defer(["a", "b"], ids, pos, hid, first, last)
+    assert dd.total_tokens == 6 and len(dd) == 2
+    batch = dd.take(["b", "a"], step_start=[24, 12])
+    assert batch.rows == [0, 1]  # batch order, one span each
+    assert batch.query_lens == [4, 2] and batch.seq_lens == [24, 12]
+    assert batch.positions.tolist() == [20, 21, 22, 23, 10, 11]
+    assert batch.ids.tolist() == [1020, 1021, 1022, 1023, 1010, 1011]
+    assert batch.hidden[:, 0].tolist() == [20, 21, 22, 23, 10, 11]
+    assert dd.total_tokens == 0 and len(dd) == 0 and dd.take(["a"], None) is None
+
+
+def test_rows_past_the_accepted_tokens_are_not_kept():
+    """A verify step's rejected drafts follow the accepted ones: only rows up to
+    ``last`` (the new root's input) are the drafter's inputs."""
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, _ = step([[30, 31, 32, 33]])
+    dd.defer(["a"], ids, pos, hid, first, [1])
+    assert dd.take(["a"], None).positions.tolist() == [30, 31]
+
+
+def test_positions_the_next_pass_recomputes_are_dropped_and_gaps_split():
+    """After a preemption the request's prefill restarts at an earlier position:
+    deferred inputs at or past it are rewritten by that pass anyway."""
+    dd = DeferredDrafts(max_tokens=100)
+    for ps in ([5, 6], [7], [9]):  # position 8 was covered by a pass that ran
+        ids, pos, hid, first, last = step([ps])
+        dd.defer(["a"], ids, pos, hid, first, last)
+    batch = dd.take(["a"], step_start=[7])
+    assert batch.positions.tolist() == [5, 6] and batch.seq_lens == [7]
+    assert dd.total_tokens == 0
+    for ps in ([5, 6], [7], [9]):
+        ids, pos, hid, first, last = step([ps])
+        dd.defer(["a"], ids, pos, hid, first, last)
+    batch = dd.take(["a"], step_start=None)
+    assert batch.query_lens == [3, 1] and batch.seq_lens == [8, 10] and batch.rows == [0, 0]
+
+
+def test_requests_outside_the_batch_wait_and_finished_ones_are_forgotten():
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([[1], [2]])
+    dd.defer(["a", "b"], ids, pos, hid, first, last)
+    assert dd.take(["c", "a"], None).rows == [1]
+    dd.forget(["b", "zzz"])
+    assert dd.total_tokens == 0 and len(dd) == 0
