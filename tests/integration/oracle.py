@@ -100,6 +100,16 @@ def trie_tree(trie: dict, context: tuple, budget: int) -> tuple[list[int], list[
     return tokens, parents
 
 
+def root_positions(propose_kwargs: dict):
+    """[B] position of each request's new root, from the drafter's ``propose``
+    arguments (the step's KV length minus its rejected drafts)."""
+    cad = propose_kwargs["common_attn_metadata"]
+    rejected = propose_kwargs.get("num_rejected_tokens_gpu")
+    B = cad.batch_size()
+    root = cad.seq_lens[:B].long()
+    return root if rejected is None else root - rejected[:B].long()
+
+
 def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             mode: str = "greedy") -> bool:
     """collective_rpc target: wrap the worker's tree drafter with the oracle.
@@ -129,13 +139,8 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
 
     def propose(self, *args, **kwargs):
         drafts = original(*args, **kwargs)
-        cad = kwargs["common_attn_metadata"]
-        rejected = kwargs.get("num_rejected_tokens_gpu")
-        B = cad.batch_size()
-        prefix = cad.seq_lens[:B].long()
-        if rejected is not None:
-            prefix = prefix - rejected[:B].long()
-        for b, req_id in enumerate(runner.input_batch.req_ids[:B]):
+        prefix = root_positions(kwargs)
+        for b, req_id in enumerate(runner.input_batch.req_ids[:len(prefix)]):
             if not drafts[b]:
                 continue  # not allowed a tree (sampling params) or budget 0
             state = runner.requests[req_id]
@@ -219,13 +224,8 @@ def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer
 
     def propose(self, *args, **kwargs):
         drafts = original(*args, **kwargs)
-        cad = kwargs["common_attn_metadata"]
-        rejected = kwargs.get("num_rejected_tokens_gpu")
-        B = cad.batch_size()
-        root = cad.seq_lens[:B].long()
-        if rejected is not None:
-            root = root - rejected[:B].long()
-        for b, req_id in enumerate(runner.input_batch.req_ids[:B]):
+        root = root_positions(kwargs)
+        for b, req_id in enumerate(runner.input_batch.req_ids[:len(root)]):
             if drafts[b]:  # keyed by prompt: request ids differ between engines
                 prompt = ",".join(map(str, runner.requests[req_id].prompt_token_ids))
                 key = hashlib.sha256(prompt.encode()).hexdigest()[:12]

@@ -85,3 +85,26 @@ def test_speedups_are_per_turn_ratios_and_the_markdown_lists_stages():
     md = report.markdown({"suite": "pangu240", "turns": 2, "max_tokens": 100, "temperature": 0.0,
                           "command": "cmd", "methods": {"eagle3_tree": {"c1": s}}})
     assert "verify_forward" in md and "4.0%" in md
+
+
+def test_resume_files_keep_finished_turns_and_all_sittings_counters(tmp_path):
+    """``--resume``: turns are appended as they finish (a line cut off by an
+    interruption is skipped), and the /metrics counters of several sittings (each
+    server starting from zero) add up to one window."""
+    from vllm_treespec.bench import add_window, append_turn, read_turns, read_window
+
+    turns, window = tmp_path / "turns-x.jsonl", tmp_path / "window-x.json"
+    for i in range(2):
+        append_turn(turns, driver.TurnResult(f"t{i}", "humaneval", 10 + i, 1.0, 0.1, "x", 1.5))
+    with open(turns, "a") as f:
+        f.write('{"turn_id": "t2", "sour')  # killed mid-write
+    got = read_turns(turns)
+    assert [r.turn_id for r in got] == ["t0", "t1"] and got[1].tok_s == 11.0
+    # Sitting 1: counters 5 -> 8 -> 12; sitting 2 (a new server): 0 -> 4.
+    start1 = {"c": 5.0}
+    add_window(window, start1, {"c": 8.0})
+    add_window(window, start1, {"c": 12.0})
+    add_window(window, {"c": 0.0}, {"c": 4.0})
+    before, after = read_window(window)
+    assert after["c"] - before.get("c", 0.0) == 11.0
+    assert read_window(tmp_path / "missing.json") is None

@@ -9,6 +9,13 @@ throughput). Writes DIR/summary.json, DIR/summary.md, PNG plots, per-turn
 results, the materialised dataset (usable by ``vllm bench serve``), and each
 server's log. Methods take options: ``eagle3:k=4``,
 ``eagle3_tree:num_nodes=16,depth=5,top_k=4``.
+
+Resumable: every finished concurrency-1 turn is appended to
+``turns-METHOD.jsonl`` at once, with the /metrics counters of its sitting in
+``window-METHOD.json``; ``--resume DIR`` (same arguments) skips the turns
+already there, and a method with all its turns done starts no server. So a long
+protocol can be finished over several sittings of under an hour each.
+Concurrency > 1 runs are not resumed: a method that has them runs them again.
 """
 
 from __future__ import annotations
@@ -66,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N turns (interleaved mix)")
     p.add_argument("--methods", default="none,eagle3,eagle3_tree")
     p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16,32,64")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="results directory (a new run)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run in DIR: skip the turns it has finished")
     p.add_argument("--model", default=None, help="target (default: the embedded SmolLM2)")
     p.add_argument("--drafter", default=None, help="EAGLE-3 drafter (default: the embedded one)")
     p.add_argument("--eagle3-k", type=int, default=3, help="chain length of stock eagle3")
@@ -81,8 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    out = Path(args.out)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.out is None) == (args.resume is None):
+        parser.error("give exactly one of --out DIR (a new run) and --resume DIR")
+    out = Path(args.out or args.resume)
     out.mkdir(parents=True, exist_ok=True)
     if args.model is None or args.drafter is None:
         from vllm_treespec.assets import ensure_assets
@@ -111,6 +123,22 @@ def main(argv: list[str] | None = None) -> int:
                "methods": {}}
     resolved: list[pangu240.Turn] | None = None
     for label, spec in methods:
+        turns_path = out / f"turns-{_slug(label)}.jsonl"
+        window_path = out / f"window-{_slug(label)}.json"
+        if args.resume is None:
+            turns_path.unlink(missing_ok=True)
+            window_path.unlink(missing_ok=True)
+        done = {r.turn_id: r for r in read_turns(turns_path)}
+        if resolved is None and done and len(done) == len(turns) and dataset_path.exists():
+            resolved = pangu240.read_jsonl(dataset_path)
+        if resolved is not None and done and all(t.turn_id in done for t in resolved) \
+                and len(concurrency) == 1:
+            log(f"{label}: all {len(done)} turns done in an earlier sitting")
+            res_c1 = [done[t.turn_id] for t in resolved]
+            results[label] = res_c1
+            summary["methods"][label] = _summarise(res_c1, results, methods, spec,
+                                                   read_window(window_path))
+            continue
         log(f"{label}: starting server")
         t_start = time.time()
         with Server(args.model, serve_args, spec, out / f"server-{_slug(label)}.log",
@@ -122,6 +150,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{label}: {i}/{n} {r.turn_id} {r.output_tokens} tok {r.tok_s:.1f} tok/s"
                 + (f" accept {r.accept_len:.2f}" if r.accept_len else ""))
             before = server.metrics()
+
+            def run(t: pangu240.Turn) -> TurnResult:
+                """One concurrency-1 turn, or its result from an earlier sitting."""
+                if t.turn_id in done:
+                    return done[t.turn_id]
+                r = drv.run_sequential([t])[0]
+                append_turn(turns_path, r)
+                add_window(window_path, before, server.metrics())
+                return r
+
             if resolved is None:
                 # First method: run turns in order; second MT-Bench turns use this
                 # method's own first answers (identical across methods at T=0).
@@ -133,20 +171,19 @@ def main(argv: list[str] | None = None) -> int:
                                 pangu240.Turn(t.depends_on, t.source, t.messages[:1])).text
                         t = pangu240.materialize([t], lambda _: "", known=answers)[0]
                     resolved.append(t)
-                    r = drv.run_sequential([t])[0]
+                    r = run(t)
                     res_c1.append(r)
                     if t.turn_id.endswith("/1"):
                         answers[t.turn_id] = r.text
                     progress(len(res_c1), len(turns), r)
                 _write_dataset(resolved, dataset_path, args)
             else:
-                res_c1 = drv.run_sequential(resolved, progress)
-            after = server.metrics()
+                res_c1 = []
+                for t in resolved:
+                    res_c1.append(run(t))
+                    progress(len(res_c1), len(resolved), res_c1[-1])
             results[label] = res_c1
-            none_by_turn = ({r.turn_id: r for r in results[methods[0][0]]}
-                            if label != methods[0][0] else None)
-            ms = {"c1": report.method_summary(res_c1, none_by_turn, (before, after)),
-                  "speculative_config": spec}
+            ms = _summarise(res_c1, results, methods, spec, read_window(window_path))
             for c in concurrency[1:]:
                 log(f"{label}: concurrency {c}")
                 m0 = server.metrics()
@@ -155,11 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 s["throughput_tok_s"] = sum(r.output_tokens for r in res_c) / wall
                 s["wall_s"] = wall
                 ms[f"c{c}"] = s
-            ms["c1"]["throughput_tok_s"] = (sum(r.output_tokens for r in res_c1)
-                                            / sum(r.e2e_s for r in res_c1))
             ms["server_seconds"] = time.time() - t_start
             summary["methods"][label] = ms
-        _write_turns(out / f"turns-{_slug(label)}.jsonl", res_c1)
         report.write_json(out / "summary.json", summary)
         log(f"{label}: done — {json.dumps(ms['c1'])}")
     summary["plots"] = report.plots(summary, results, out)
@@ -173,11 +207,57 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
-def _write_turns(path: Path, results: list[TurnResult]) -> None:
-    with open(path, "w") as f:
-        for r in results:
-            f.write(json.dumps(dict(dataclasses.asdict(r), tok_s=r.tok_s, tpot_s=r.tpot_s))
-                    + "\n")
+def _summarise(res_c1, results, methods, spec, window) -> dict:
+    first = methods[0][0]
+    none_by_turn = ({r.turn_id: r for r in results[first]}
+                    if res_c1 is not results.get(first) else None)
+    c1 = report.method_summary(res_c1, none_by_turn, window)
+    c1["throughput_tok_s"] = sum(r.output_tokens for r in res_c1) / sum(r.e2e_s for r in res_c1)
+    return {"c1": c1, "speculative_config": spec}
+
+
+def append_turn(path: Path, r: TurnResult) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(dataclasses.asdict(r), tok_s=r.tok_s, tpot_s=r.tpot_s)) + "\n")
+
+
+def read_turns(path: Path) -> list[TurnResult]:
+    """Turns finished so far (a line cut off by an interruption is ignored)."""
+    if not path.exists():
+        return []
+    fields = {f.name for f in dataclasses.fields(TurnResult)}
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(TurnResult(**{k: v for k, v in json.loads(line).items() if k in fields}))
+        except (json.JSONDecodeError, TypeError):
+            continue
+    return out
+
+
+def add_window(path: Path, before: dict, after: dict) -> None:
+    """Keep /metrics counters since this sitting's start: the file holds the
+    finished sittings' deltas plus the current one's, summed."""
+    saved = json.loads(path.read_text()) if path.exists() else {"past": {}, "sitting": None}
+    if saved.get("sitting_start") != before:
+        # A new sitting: fold the previous one's counters into the past.
+        for k, v in (saved.get("sitting") or {}).items():
+            saved["past"][k] = saved["past"].get(k, 0.0) + v
+        saved["sitting_start"] = before
+    saved["sitting"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    path.write_text(json.dumps(saved))
+
+
+def read_window(path: Path) -> tuple[dict, dict] | None:
+    """(before, after) scrapes equivalent to all sittings' counters (every
+    report function uses differences only)."""
+    if not path.exists():
+        return None
+    saved = json.loads(path.read_text())
+    total = dict(saved["past"])
+    for k, v in (saved.get("sitting") or {}).items():
+        total[k] = total.get(k, 0.0) + v
+    return {}, total
 
 
 def _write_dataset(turns, path: Path, args) -> None:
