@@ -100,11 +100,13 @@ def test_resume_files_keep_finished_turns_and_all_sittings_counters(tmp_path):
         f.write('{"turn_id": "t2", "sour')  # killed mid-write
     got = read_turns(turns)
     assert [r.turn_id for r in got] == ["t0", "t1"] and got[1].tok_s == 11.0
+    append_turn(turns, driver.TurnResult("t2", "mtbench", 5, 1.0, 0.1, "y"))  # next sitting
+    assert [r.turn_id for r in read_turns(turns)] == ["t0", "t1", "t2"]
     # Sitting 1: counters 5 -> 8 -> 12; sitting 2 (a new server): 0 -> 4.
-    start1 = {"c": 5.0}
-    add_window(window, start1, {"c": 8.0})
-    add_window(window, start1, {"c": 12.0})
-    add_window(window, {"c": 0.0}, {"c": 4.0})
+    start1 = {"c": 5.0, "g": float("nan")}
+    add_window(window, "s1", start1, {"c": 8.0})
+    add_window(window, "s1", start1, {"c": 12.0})
+    add_window(window, "s2", {"c": 0.0}, {"c": 4.0})
     before, after = read_window(window)
     assert after["c"] - before.get("c", 0.0) == 11.0
     assert read_window(tmp_path / "missing.json") is None

@@ -24,13 +24,13 @@ def test_consecutive_steps_merge_into_one_span_per_request():
     ids, pos, hid, first, last = step([[11], [23]])
     dd.defer(["a", "b"], ids, pos, hid, first, last)
     assert dd.total_tokens == 6 and len(dd) == 2
-    batch = dd.take(["b", "a"], step_start=[24, 12])
+    (batch,) = dd.take(["b", "a"], step_start=[24, 12], max_pass_tokens=64)
     assert batch.rows == [0, 1]  # batch order, one span each
     assert batch.query_lens == [4, 2] and batch.seq_lens == [24, 12]
     assert batch.positions.tolist() == [20, 21, 22, 23, 10, 11]
     assert batch.ids.tolist() == [1020, 1021, 1022, 1023, 1010, 1011]
     assert batch.hidden[:, 0].tolist() == [20, 21, 22, 23, 10, 11]
-    assert dd.total_tokens == 0 and len(dd) == 0 and dd.take(["a"], None) is None
+    assert dd.total_tokens == 0 and len(dd) == 0 and dd.take(["a"], None, 64) == []
 
 
 def test_rows_past_the_accepted_tokens_are_not_kept():
@@ -39,7 +39,7 @@ def test_rows_past_the_accepted_tokens_are_not_kept():
     dd = DeferredDrafts(max_tokens=100)
     ids, pos, hid, first, _ = step([[30, 31, 32, 33]])
     dd.defer(["a"], ids, pos, hid, first, [1])
-    assert dd.take(["a"], None).positions.tolist() == [30, 31]
+    assert dd.take(["a"], None, 64)[0].positions.tolist() == [30, 31]
 
 
 def test_positions_the_next_pass_recomputes_are_dropped_and_gaps_split():
@@ -49,13 +49,13 @@ def test_positions_the_next_pass_recomputes_are_dropped_and_gaps_split():
     for ps in ([5, 6], [7], [9]):  # position 8 was covered by a pass that ran
         ids, pos, hid, first, last = step([ps])
         dd.defer(["a"], ids, pos, hid, first, last)
-    batch = dd.take(["a"], step_start=[7])
+    (batch,) = dd.take(["a"], step_start=[7], max_pass_tokens=64)
     assert batch.positions.tolist() == [5, 6] and batch.seq_lens == [7]
     assert dd.total_tokens == 0
     for ps in ([5, 6], [7], [9]):
         ids, pos, hid, first, last = step([ps])
         dd.defer(["a"], ids, pos, hid, first, last)
-    batch = dd.take(["a"], step_start=None)
+    (batch,) = dd.take(["a"], step_start=None, max_pass_tokens=64)
     assert batch.query_lens == [3, 1] and batch.seq_lens == [8, 10] and batch.rows == [0, 0]
 
 
@@ -63,6 +63,32 @@ def test_requests_outside_the_batch_wait_and_finished_ones_are_forgotten():
     dd = DeferredDrafts(max_tokens=100)
     ids, pos, hid, first, last = step([[1], [2]])
     dd.defer(["a", "b"], ids, pos, hid, first, last)
-    assert dd.take(["c", "a"], None).rows == [1]
+    assert dd.take(["c", "a"], None, 64)[0].rows == [1]
     dd.forget(["b", "zzz"])
     assert dd.total_tokens == 0 and len(dd) == 0
+
+
+def test_long_spans_are_cut_into_passes_that_fit_the_drafter_budget():
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([list(range(0, 7)), [50], [60, 61, 62]])
+    dd.defer(["a", "b", "c"], ids, pos, hid, first, last)
+    passes = dd.take(["a", "b", "c"], None, max_pass_tokens=4)
+    assert [p.query_lens for p in passes] == [[4], [3, 1], [3]]
+    assert [p.rows for p in passes] == [[0], [0, 1], [2]]
+    assert [p.seq_lens for p in passes] == [[4], [7, 51], [63]]  # a piece sees all before it
+    flat = [x for p in passes for x in p.positions.tolist()]
+    assert flat == list(range(7)) + [50, 60, 61, 62]
+    assert [x for p in passes for x in p.hidden[:, 0].tolist()] == flat
+    assert [x - 1000 for p in passes for x in p.ids.tolist()] == flat
+
+
+def test_a_recompute_supersedes_kept_positions_and_memory_is_counted():
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([[10, 11, 12]])
+    dd.defer(["a"], ids, pos, hid, first, last)
+    ids, pos, hid, first, last = step([[11]])  # preempted, recomputing from 11
+    dd.defer(["a"], ids, pos, hid, first, last)
+    assert dd.total_tokens == 2 and dd.pending(["a", "b"]) == 2
+    (batch,) = dd.take(["a"], None, max_pass_tokens=64)
+    assert batch.positions.tolist() == [10, 11] and batch.query_lens == [2]
+    assert dd.total_tokens == 0

@@ -126,16 +126,17 @@ def tree_attention(query: torch.Tensor, kv_cache: torch.Tensor, p: TreeAttention
     B, nblk = p.blocks.shape
     _, kvh, bs, _ = kv_cache.shape
     G, Q, L = H // kvh, p.q_index.shape[1], nblk * bs
-    rows, bias = p.layer_inputs(kvh, Dh, bs, G, query.dtype)
+    acc = torch.float32  # accumulate in fp32 whatever the cache dtype (as kernels do)
+    rows, bias = p.layer_inputs(kvh, Dh, bs, G, acc)
     kv = kv_cache.view(-1, bs).index_select(0, rows).view(B, kvh, 2, Dh * L)
-    kv = kv.to(query.dtype).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    kv = kv.to(acc).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     k_t, v = kv[:, :, 0].view(B, kvh, Dh, L), kv[:, :, 1].view(B, kvh, L, Dh)
-    q = (query[p.q_index].view(B, Q, kvh, G, Dh).permute(0, 2, 3, 1, 4)
+    q = (query[p.q_index].to(acc).view(B, Q, kvh, G, Dh).permute(0, 2, 3, 1, 4)
          .reshape(B, kvh, G * Q, Dh))                       # rows (g, node) per KV head
-    scores = torch.addcmul(bias, torch.matmul(q, k_t), torch.tensor(scale, dtype=q.dtype))
+    scores = torch.addcmul(bias, torch.matmul(q, k_t), torch.tensor(scale, dtype=acc))
     out = torch.matmul(torch.softmax(scores, dim=-1), v)    # [B, KVH, G*Q, Dh]
     out = out.view(B, kvh, G, Q, Dh).permute(0, 3, 1, 2, 4).reshape(B, Q, H, Dh)
-    return out[p.q_valid]
+    return out[p.q_valid].to(query.dtype)
 
 
 def gather_prefix(kv_cache: torch.Tensor, block_table: torch.Tensor, prefix_len: torch.Tensor,

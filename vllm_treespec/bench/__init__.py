@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{label}: {i}/{n} {r.turn_id} {r.output_tokens} tok {r.tok_s:.1f} tok/s"
                 + (f" accept {r.accept_len:.2f}" if r.accept_len else ""))
             before = server.metrics()
+            sitting = f"{os.getpid()}-{t_start}"  # this server's counters start at `before`
 
             def run(t: pangu240.Turn) -> TurnResult:
                 """One concurrency-1 turn, or its result from an earlier sitting."""
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                     return done[t.turn_id]
                 r = drv.run_sequential([t])[0]
                 append_turn(turns_path, r)
-                add_window(window_path, before, server.metrics())
+                add_window(window_path, sitting, before, server.metrics())
                 return r
 
             if resolved is None:
@@ -217,8 +218,11 @@ def _summarise(res_c1, results, methods, spec, window) -> dict:
 
 
 def append_turn(path: Path, r: TurnResult) -> None:
+    # A line cut off by an interruption must not swallow the next record.
+    cut = path.exists() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     with open(path, "a") as f:
-        f.write(json.dumps(dict(dataclasses.asdict(r), tok_s=r.tok_s, tpot_s=r.tpot_s)) + "\n")
+        f.write(("\n" if cut else "")
+                + json.dumps(dict(dataclasses.asdict(r), tok_s=r.tok_s, tpot_s=r.tpot_s)) + "\n")
 
 
 def read_turns(path: Path) -> list[TurnResult]:
@@ -235,15 +239,15 @@ def read_turns(path: Path) -> list[TurnResult]:
     return out
 
 
-def add_window(path: Path, before: dict, after: dict) -> None:
-    """Keep /metrics counters since this sitting's start: the file holds the
-    finished sittings' deltas plus the current one's, summed."""
+def add_window(path: Path, sitting: str, before: dict, after: dict) -> None:
+    """Keep /metrics counters since the start (``before``) of this ``sitting`` (one
+    server): the file holds the finished sittings' deltas plus the current one's."""
     saved = json.loads(path.read_text()) if path.exists() else {"past": {}, "sitting": None}
-    if saved.get("sitting_start") != before:
+    if saved.get("sitting_id") != sitting:
         # A new sitting: fold the previous one's counters into the past.
         for k, v in (saved.get("sitting") or {}).items():
             saved["past"][k] = saved["past"].get(k, 0.0) + v
-        saved["sitting_start"] = before
+        saved["sitting_id"] = sitting
     saved["sitting"] = {k: v - before.get(k, 0.0) for k, v in after.items()}
     path.write_text(json.dumps(saved))
 

@@ -151,10 +151,17 @@ class DynamicTreeBuilder:
         The frontier is sorted by score, so the nodes worth forwarding are a
         prefix of it. One host sync.
         """
-        assert self._frontier_score is not None
+        assert self._frontier_score is not None and self._frontier_id is not None
         cand = self.scores[:, 1:self._next_free]                                  # [B, N]
         ahead = (cand.unsqueeze(1) >= self._frontier_score.unsqueeze(-1)).sum(-1)  # [B, k]
-        return max(int((ahead < self.M).sum(1).max()), 1)
+        width = int((ahead < self.M).sum(1).max())
+        # The greedy chain's tip too: a chain-only selection may keep chain nodes
+        # outside the top-M, and it must not be cut short.
+        tip = self._frontier_id == self._chain_tip.unsqueeze(1)                   # [B, k]
+        if bool(tip.any()):
+            slots = torch.arange(tip.shape[1], device=self.device).expand_as(tip)
+            width = max(width, int(slots[tip].max()) + 1)
+        return max(width, 1)
 
     def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
         """Expand the frontier. frontier_logprobs: [B, w, V] draft log-probs after the
@@ -220,11 +227,13 @@ class DynamicTreeBuilder:
                                  torch.full_like(scores, float("-inf")))
             self.budget = torch.minimum(self.budget, self.on_chain[:, :used].sum(1))
         M = min(self.M, used - 1)
-        # Best M draft candidates (root excluded), then keep each request's budget.
+        # Best M draft candidates (root excluded), then keep each request's budget;
+        # never more than the real candidates (levels that forwarded fewer than k
+        # nodes leave unused ids at -inf).
         top_score, top_id = torch.topk(scores[:, 1:], M, dim=-1)
         top_id = top_id + 1
         rank = torch.arange(M, device=self.device).unsqueeze(0)
-        budget = self.budget.clamp(max=M)
+        budget = torch.minimum(self.budget.clamp(max=M), torch.isfinite(top_score).sum(1))
         # Sort the kept ids ascending (= BFS); dropped ones sort last.
         sentinel = torch.full_like(top_id, used)
         order_key = torch.where(rank < budget.unsqueeze(1), top_id, sentinel)

@@ -6,13 +6,18 @@ speculation off, that pass would be pure overhead (a plain step would not pay
 it), so the proposer skips it and *defers* its inputs here: per request, the
 drafter input ids, positions and the target's combined hidden states, exactly as
 the first pass would have read them. The next step that drafts first forwards
-everything deferred in one batched pass (``catch_up``), which writes the
+everything deferred in batched passes (``take``), which writes the
 missing drafter KV; then its own first pass runs as usual.
 
 Only draft quality depends on the drafter's KV (the verify step never reads it),
 so none of this can change what is emitted; it keeps the drafts as good as if
-the drafter had run every step. The deferred inputs of one request are bounded:
-past ``max_tokens`` in all, the proposer catches up without drafting.
+the drafter had run every step. The deferred inputs are bounded: past
+``max_tokens`` for the batch's requests, the proposer catches up without drafting.
+
+Known gap: a request that finishes while speculation is off leaves its last
+blocks without drafter KV; a later request that reuses them from the prefix
+cache (a chat's next turn) drafts against that gap until its own tokens pass
+it. Output is unaffected; acceptance on such turns can be lower.
 """
 
 from __future__ import annotations
@@ -56,57 +61,91 @@ class DeferredDrafts:
     def __len__(self) -> int:
         return len(self._spans)
 
+    def pending(self, req_ids) -> int:
+        """Deferred tokens of these requests."""
+        return sum(p.ids.shape[0] for r in req_ids for p in self._spans.get(r, ()))
+
     def defer(self, req_ids: list[str], ids: torch.Tensor, positions: torch.Tensor,
               hidden: torch.Tensor, first: list[int], last: list[int]) -> None:
-        """Keep rows ``first[b] .. last[b]`` (inclusive) of request ``req_ids[b]``."""
+        """Keep rows ``first[b] .. last[b]`` (inclusive) of request ``req_ids[b]``.
+
+        Each call keeps one piece per request (no copying of what is kept
+        already). A piece that starts at or before a kept one's end (the request
+        was preempted and recomputes) supersedes the kept positions from there.
+        """
         pos = positions.tolist() if len(req_ids) else []
         for b, req_id in enumerate(req_ids):
             lo, hi = first[b], last[b] + 1
             if hi <= lo:
                 continue
-            spans = self._spans.setdefault(req_id, [])
             start = int(pos[lo])
-            span = DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone())
-            if spans and spans[-1].end == start:  # contiguous: one longer span
-                prev = spans[-1]
-                span = DeferredSpan(prev.start, torch.cat([prev.ids, span.ids]),
-                                    torch.cat([prev.hidden, span.hidden]))
-                spans[-1] = span
-                self.total_tokens += hi - lo
-            else:
-                spans.append(span)
-                self.total_tokens += hi - lo
+            kept = []
+            for piece in self._spans.get(req_id, ()):
+                n = min(piece.end, start) - piece.start
+                self.total_tokens -= piece.ids.shape[0] - max(n, 0)
+                if n > 0:
+                    kept.append(DeferredSpan(piece.start, piece.ids[:n], piece.hidden[:n]))
+            kept.append(DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone()))
+            self._spans[req_id] = kept
+            self.total_tokens += hi - lo
 
-    def take(self, req_ids: list[str], step_start: list[int] | None) -> CatchUpBatch | None:
-        """Remove and return the deferred spans of the requests in this batch.
+    def take(self, req_ids: list[str], step_start: list[int] | None,
+             max_pass_tokens: int) -> list[CatchUpBatch]:
+        """Remove the deferred spans of the requests in this batch and return them
+        as drafter passes of at most ``max_pass_tokens`` tokens each, in order.
 
         ``step_start[b]``: the first position request b's current first pass
         covers (None: no pass follows). Deferred positions at or past it are
-        dropped: that pass rewrites them (a preempted request's recompute).
+        dropped: that pass rewrites them (a preempted request's recompute). A
+        long span is cut into consecutive pieces; a piece attends to everything
+        before it, so pieces may share a pass (KV is written before attention)
+        or follow in later ones.
         """
-        rows, ids, positions, hidden, q_lens, s_lens = [], [], [], [], [], []
+        pieces = []  # (row, start, end, span)
         for b, req_id in enumerate(req_ids):
-            spans = self._spans.pop(req_id, None)
-            if not spans:
-                continue
-            for span in spans:
+            for span in _merged(self._spans.pop(req_id, ())):
                 self.total_tokens -= span.ids.shape[0]
-                limit = span.end if step_start is None else min(span.end, step_start[b])
-                n = limit - span.start
-                if n <= 0:
-                    continue
-                rows.append(b)
-                ids.append(span.ids[:n])
-                hidden.append(span.hidden[:n])
-                positions.append(torch.arange(span.start, limit, device=span.ids.device))
-                q_lens.append(n)
-                s_lens.append(limit)
-        if not rows:
-            return None
-        return CatchUpBatch(rows=rows, ids=torch.cat(ids), positions=torch.cat(positions),
-                            hidden=torch.cat(hidden), query_lens=q_lens, seq_lens=s_lens)
+                end = span.end if step_start is None else min(span.end, step_start[b])
+                for lo in range(span.start, end, max_pass_tokens):
+                    pieces.append((b, lo, min(lo + max_pass_tokens, end), span))
+        passes, current, size = [], [], 0
+        for piece in pieces:
+            n = piece[2] - piece[1]
+            if current and size + n > max_pass_tokens:
+                passes.append(_catch_up_batch(current))
+                current, size = [], 0
+            current.append(piece)
+            size += n
+        if current:
+            passes.append(_catch_up_batch(current))
+        return passes
 
     def forget(self, req_ids) -> None:
         for r in req_ids:
             for span in self._spans.pop(r, ()):
                 self.total_tokens -= span.ids.shape[0]
+
+
+def _catch_up_batch(pieces) -> CatchUpBatch:
+    ids, hidden, positions = [], [], []
+    for _, lo, hi, span in pieces:
+        ids.append(span.ids[lo - span.start: hi - span.start])
+        hidden.append(span.hidden[lo - span.start: hi - span.start])
+        positions.append(torch.arange(lo, hi, device=span.ids.device))
+    return CatchUpBatch(rows=[p[0] for p in pieces], ids=torch.cat(ids),
+                        positions=torch.cat(positions), hidden=torch.cat(hidden),
+                        query_lens=[hi - lo for _, lo, hi, _ in pieces],
+                        seq_lens=[hi for _, _, hi, _ in pieces])
+
+
+def _merged(pieces) -> list[DeferredSpan]:
+    """Consecutive pieces joined into one span each (one copy, at catch-up)."""
+    runs: list[list[DeferredSpan]] = []
+    for piece in pieces:
+        if runs and runs[-1][-1].end == piece.start:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return [run[0] if len(run) == 1 else
+            DeferredSpan(run[0].start, torch.cat([p.ids for p in run]),
+                         torch.cat([p.hidden for p in run])) for run in runs]

@@ -64,10 +64,9 @@ class TreeEagleProposer(EagleProposer):
         # Set by the runner when the adaptive budget is on (vllm_treespec.policy).
         self.policy = None
         self.last_depth = cfg.depth
-        # Drafter passes skipped while speculation is off (see deferred_drafts);
-        # half the token budget, so that a catch-up pass plus a step's tokens fit
-        # the drafter's buffers.
-        self.deferred = DeferredDrafts(max(1, self.max_num_tokens // 2))
+        # Drafter passes skipped while speculation is off (see deferred_drafts),
+        # caught up in passes of at most max_num_tokens (the drafter's buffers).
+        self.deferred = DeferredDrafts(self.max_num_tokens)
         self.defer_when_off = True  # False: run the first pass every step (reference)
         self.catch_up_tokens = 0
 
@@ -122,8 +121,8 @@ class TreeEagleProposer(EagleProposer):
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
-            if self.deferred.total_tokens > self.deferred.max_tokens:
-                self._catch_up(cad, req_ids, None)
+            if self.deferred.pending(req_ids) > self.deferred.max_tokens:
+                self._catch_up(cad, req_ids, None)  # bounded memory: catch up now
             return self._finish_step(self._hand_over(None), t0)
         if len(self.deferred):
             positions = self._get_positions(num_tokens)
@@ -247,11 +246,13 @@ class TreeEagleProposer(EagleProposer):
         return max(1, cfg.top_k * (cfg.depth - 1))
 
     def _catch_up(self, cad, req_ids: list[str], step_start: list[int] | None) -> None:
-        """Forward the deferred drafter inputs of this batch's requests in one
-        pass: it writes the drafter KV their skipped first passes did not."""
-        batch = self.deferred.take(req_ids, step_start)
-        if batch is None:
-            return
+        """Forward the deferred drafter inputs of this batch's requests, batched
+        (passes of at most the drafter's token budget): they write the drafter
+        KV that the skipped first passes did not."""
+        for batch in self.deferred.take(req_ids, step_start, self.max_num_tokens):
+            self._catch_up_pass(cad, batch)
+
+    def _catch_up_pass(self, cad, batch) -> None:
         dev = self.device
         rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
         q_lens = torch.tensor(batch.query_lens, dtype=torch.int32)
