@@ -218,7 +218,7 @@ def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer
     drafter.defer_when_off = mode != "reference"
     if mode == "drop":
         take = drafter.deferred.take
-        drafter.deferred.take = lambda *a, **k: (take(*a, **k), None)[1]
+        drafter.deferred.take = lambda *a, **k: (take(*a, **k), [])[1]  # nothing caught up
     record: dict[str, list] = {}
     original = drafter.propose
 
