@@ -14,7 +14,8 @@ and decides every step:
   where t(N) is the step time for N verified tokens (a piecewise-linear table
   from a timing sweep at startup, refined online), t_draft(d) the measured drafting
   time (the drafter's first pass over the verified tokens plus d - 1 levels of
-  ``level_width(d)`` nodes per request), A(d) the accepted drafts per request seen so far at depth <= d, and
+  ``level_width(d)`` nodes per request), A(d) the accepted drafts per request
+  seen so far at depth <= d, and
   n(d) the nodes per request that trees drafted to depth d kept after the node
   selection below (a chain, n(d) = d, until observed: on a CPU, where every
   verified token costs, the selection often trims trees to short chains). The

@@ -56,10 +56,13 @@ class DeferredDrafts:
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
         self._spans: dict[str, list[DeferredSpan]] = {}
-        self.total_tokens = 0
 
     def __len__(self) -> int:
         return len(self._spans)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.pending(self._spans)
 
     def pending(self, req_ids) -> int:
         """Deferred tokens of these requests."""
@@ -82,12 +85,10 @@ class DeferredDrafts:
             kept = []
             for piece in self._spans.get(req_id, ()):
                 n = min(piece.end, start) - piece.start
-                self.total_tokens -= piece.ids.shape[0] - max(n, 0)
                 if n > 0:
                     kept.append(DeferredSpan(piece.start, piece.ids[:n], piece.hidden[:n]))
             kept.append(DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone()))
             self._spans[req_id] = kept
-            self.total_tokens += hi - lo
 
     def take(self, req_ids: list[str], step_start: list[int] | None,
              max_pass_tokens: int) -> list[CatchUpBatch]:
@@ -104,7 +105,6 @@ class DeferredDrafts:
         pieces = []  # (row, start, end, span)
         for b, req_id in enumerate(req_ids):
             for span in _merged(self._spans.pop(req_id, ())):
-                self.total_tokens -= span.ids.shape[0]
                 end = span.end if step_start is None else min(span.end, step_start[b])
                 for lo in range(span.start, end, max_pass_tokens):
                     pieces.append((b, lo, min(lo + max_pass_tokens, end), span))
@@ -122,8 +122,7 @@ class DeferredDrafts:
 
     def forget(self, req_ids) -> None:
         for r in req_ids:
-            for span in self._spans.pop(r, ()):
-                self.total_tokens -= span.ids.shape[0]
+            self._spans.pop(r, None)
 
 
 def _catch_up_batch(pieces) -> CatchUpBatch:
