@@ -85,3 +85,66 @@ def test_serve_exits_with_the_message_at_startup(target_dir, random_drafter):
                           timeout=300)
     assert proc.returncode != 0
     assert "'depth' has invalid value 99; allowed: an integer in [1, 32]" in proc.stderr
+
+
+def test_spec_method_flags_work_like_the_json_form(target_dir, random_drafter):
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_treespec
+
+    vllm_treespec.register()
+    args = EngineArgs(model=str(target_dir), spec_method="eagle3_tree",
+                      spec_model=str(random_drafter), speculative_config={"num_nodes": 6})
+    cfg = args.create_engine_config()
+    assert cfg.speculative_config.method == "eagle3"
+    assert cfg.additional_config["eagle3_tree"]["num_nodes"] == 6
+
+
+def test_an_unsupported_vllm_version_is_refused(target_dir, random_drafter, monkeypatch):
+    import vllm
+
+    from vllm_treespec.config import TreeSpecConfigError
+
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    monkeypatch.delenv("VLLM_TREESPEC_ALLOW_UNTESTED_VLLM", raising=False)
+    with pytest.raises(TreeSpecConfigError, match="supports vLLM 0.27.1; found vLLM '0.32.0'"):
+        engine_config(target_dir, {"method": "eagle3_tree", "model": str(random_drafter)})
+    # stock methods are not ours to refuse
+    engine_config(target_dir, {"method": "eagle3", "model": str(random_drafter),
+                               "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("engine_kw, needle", [
+    ({"hf_overrides": {"rope_scaling": {"rope_type": "default", "mrope_section": [8, 12, 12]}}},
+     "M-RoPE"),
+    ({"kv_transfer_config": {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}},
+     "KV connectors"),
+    ({"kv_offloading_size": 1.0}, "KV-cache offloading"),
+    ({"logits_processors": ["collections:OrderedDict"]}, "engine-level logits processors"),
+])
+def test_engine_features_trees_would_get_wrong_are_refused(target_dir, random_drafter,
+                                                           engine_kw, needle):
+    from vllm_treespec.config import TreeSpecConfigError
+
+    spec = {"method": "eagle3_tree", "model": str(random_drafter)}
+    with pytest.raises(TreeSpecConfigError, match="eagle3_tree does not support") as err:
+        engine_config(target_dir, spec, **engine_kw)
+    assert needle in str(err.value)
+    # the same engine without a tree is vLLM's business
+    engine_config(target_dir, None, **engine_kw)
+
+
+def test_a_sliding_window_model_fails_before_its_weights_load(target_dir, random_drafter,
+                                                              engine_dir):
+    from tests.integration.conftest import base_engine, run_engine
+
+    layers = 30  # SmolLM2-135M
+    engine = base_engine(target_dir, hf_overrides={
+        "sliding_window": 64, "layer_types": ["sliding_attention"] * layers},
+        speculative_config={"method": "eagle3_tree", "model": str(random_drafter)})
+    with pytest.raises(AssertionError, match="engine run 'sliding_window' failed"):
+        run_engine({"engine": engine, "prompts": [[1, 2, 3]], "sampling": {"max_tokens": 2}},
+                   engine_dir, "sliding_window")
+    log = (engine_dir / "sliding_window.log").read_text()
+    assert "eagle3_tree does not support sliding-window attention layers (window 64)" in log
+    assert "Loading weights took" not in log

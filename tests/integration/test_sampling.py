@@ -40,7 +40,9 @@ TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adapt
 
 def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
     """n samples of every prompt, all in one engine (one batch stream)."""
-    spec = {"engine": base_engine(target_dir, max_num_seqs=64, seed=seed),
+    # 16-token blocks: the n copies of a prompt share its prefix-cached blocks (vLLM's CPU
+    # default of 128 would leave these short prompts uncached and prefill dominating).
+    spec = {"engine": base_engine(target_dir, max_num_seqs=64, seed=seed, block_size=16),
             "prompts": [p for p in prompts for _ in range(n)],
             "sampling": {"max_tokens": LENGTH, "ignore_eos": True},
             "sampling_per_prompt": [s for s in settings for _ in range(n)]}

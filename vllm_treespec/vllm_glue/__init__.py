@@ -8,19 +8,11 @@ so stock methods run untouched.
 
 from __future__ import annotations
 
-SUPPORTED_VLLM = ("0.27",)
 
 
 def install() -> None:
-    import vllm
-
-    version = getattr(vllm, "__version__", "")
-    if not version.startswith(SUPPORTED_VLLM):
-        import logging
-
-        logging.getLogger("vllm.treespec").warning(
-            "vllm-treespec targets vLLM %s; found %s — eagle3_tree may not work",
-            "/".join(SUPPORTED_VLLM), version)
+    # The vLLM version is checked when an eagle3_tree engine is configured
+    # (``support.check_vllm_version``): stock methods stay usable on any version.
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args
 
     patch_engine_args()

@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_treespec.attention import DraftTreeLevelMetadata, TreeVerifyRows, cpu_layout
 from vllm_treespec.attention.cpu_layout import kv_views
+from vllm_treespec.vllm_glue import support
 
 
 def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
@@ -55,6 +56,15 @@ def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                 sliding_window, kv_cache_dtype, logits_soft_cap=None, *args, **kwargs):
+        sinks = kwargs.get("sinks", args[2] if len(args) > 2 else None)
+        support.check_attention_layer(sliding_window=sliding_window, alibi_slopes=alibi_slopes,
+                                      logits_soft_cap=logits_soft_cap, sinks=sinks,
+                                      kv_cache_dtype=kv_cache_dtype)
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes,
+                         sliding_window, kv_cache_dtype, logits_soft_cap, *args, **kwargs)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
         if isinstance(attn_metadata, DraftTreeLevelMetadata):

@@ -28,6 +28,7 @@ from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.attention.cpu_layout import kv_views
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
+from vllm_treespec.vllm_glue import support
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
@@ -58,6 +59,7 @@ class TreeRunnerMixin:
 
     # ------------------------------------------------------------- cost model
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        support.check_kv_cache_groups(len(kv_cache_config.kv_cache_groups))
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if not kwargs.get("is_profiling", args[0] if args else False):
             self._calibrate_step_cost()

@@ -12,7 +12,9 @@ vLLM (``EngineArgs.create_speculative_config``):
   ``num_speculative_tokens`` = the node budget, so vLLM allocates KV slots and
   schedules up to ``num_nodes`` draft tokens per request;
 * scheduling is made synchronous: acceptance, KV commit and drafting read the
-  accepted path on the host between steps.
+  accepted path on the host between steps;
+* the finished engine config is checked for setups trees would get wrong
+  (``support.check_engine``).
 
 Errors are raised here, in the API server / ``LLM`` process, before any model
 is loaded.
@@ -24,6 +26,7 @@ import logging
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
+from vllm_treespec.vllm_glue import support
 
 METHOD = "eagle3_tree"
 ADDITIONAL_CONFIG_KEY = "eagle3_tree"
@@ -146,8 +149,31 @@ def _enable_frontend_metrics() -> None:
     async_llm.load_stat_logger_plugin_factories = factories
 
 
+def _spec_dict(engine_args: Any) -> dict[str, Any] | None:
+    """The speculative config as vLLM will see it: the JSON form, or the
+    ``--spec-method`` / ``--spec-model`` / ``--spec-tokens`` flags merged in
+    (vLLM merges them inside ``create_speculative_config``; a tree must be
+    recognised before that)."""
+    spec = engine_args.speculative_config
+    for flag, key in (("spec_method", "method"), ("spec_model", "model"),
+                      ("spec_tokens", "num_speculative_tokens")):
+        value = getattr(engine_args, flag, None)
+        if value is None:
+            continue
+        spec = dict(spec or {})
+        if key in spec:
+            raise TreeSpecConfigError(
+                f"--{flag.replace('_', '-')} and --speculative-config[{key!r}] are mutually "
+                f"exclusive")
+        spec[key] = value
+        setattr(engine_args, flag, None)
+    engine_args.speculative_config = spec
+    return spec
+
+
 def patch_engine_args() -> None:
-    """Wrap ``EngineArgs.create_speculative_config`` (idempotent)."""
+    """Wrap ``EngineArgs.create_speculative_config`` and ``create_engine_config``
+    (idempotent)."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_speculative_config
@@ -155,8 +181,11 @@ def patch_engine_args() -> None:
         return
 
     def create_speculative_config(self, *args, **kwargs):
-        spec = self.speculative_config
+        spec = _spec_dict(self)
         if isinstance(spec, dict) and spec.get("method") == METHOD:
+            import vllm
+
+            support.check_vllm_version(getattr(vllm, "__version__", "unknown"))
             stock, tree = translate(spec, _stock_keys())
             if getattr(self, "async_scheduling", None):
                 raise TreeSpecConfigError(
@@ -174,5 +203,14 @@ def patch_engine_args() -> None:
             logger.info("%s: %s", METHOD, tree)
         return original(self, *args, **kwargs)
 
+    original_engine = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        config = original_engine(self, *args, **kwargs)
+        if tree_config_from_vllm(config) is not None:
+            support.check_engine(config)
+        return config
+
     create_speculative_config._treespec_wrapped = True  # type: ignore[attr-defined]
     EngineArgs.create_speculative_config = create_speculative_config
+    EngineArgs.create_engine_config = create_engine_config

@@ -1,0 +1,95 @@
+"""Setups the tree path would get wrong are refused at startup, never served.
+
+Tree verification rewrites a request's draft slots (positions = prefix + depth,
+a tree mask instead of a causal one, the accepted path compacted afterwards).
+Everything that reads those slots some other way would be silently wrong, so
+each such feature is refused here with a message that names it:
+
+* ``check_vllm_version``: the glue hooks vLLM internals of one release;
+* ``check_engine``: engine-level features, checked on the finished
+  ``VllmConfig`` in the frontend, before any process loads a model;
+* ``check_attention_layer``: per-layer attention features, checked when the
+  tree attention backend builds each layer (model construction, before the
+  weights are loaded), from exactly the arguments the layer receives.
+
+Pure checks over plain values; the callers in ``spec_config``, the runner and
+the attention backends hand them vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from vllm_treespec.config import TreeSpecConfigError
+
+SUPPORTED_VLLM = "0.27.1"
+ALLOW_UNTESTED_ENV = "VLLM_TREESPEC_ALLOW_UNTESTED_VLLM"
+
+
+def _refuse(feature: str, why: str) -> TreeSpecConfigError:
+    return TreeSpecConfigError(f"eagle3_tree does not support {feature}: {why}")
+
+
+def check_vllm_version(found: str) -> None:
+    """The glue was written against one vLLM release; another one may move the
+    internals it hooks (a tree would then be verified wrongly, not fail)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(found).release[:3]
+    except InvalidVersion:
+        release = ()
+    if release == Version(SUPPORTED_VLLM).release or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return
+    raise TreeSpecConfigError(
+        f"eagle3_tree: this vllm-treespec supports vLLM {SUPPORTED_VLLM}; found vLLM "
+        f"{found!r}. Install vLLM {SUPPORTED_VLLM}, or set {ALLOW_UNTESTED_ENV}=1 to try "
+        f"anyway (untested: verify greedy identity before serving)")
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Engine features the tree path does not reproduce (raise on the first)."""
+    model = vllm_config.model_config
+    if model.uses_mrope or model.uses_xdrope_dim:
+        raise _refuse("M-RoPE / XD-RoPE position encodings",
+                      "draft nodes get their tree depth as a single position id")
+    if model.is_hybrid or model.is_attention_free:
+        raise _refuse("models with non-attention (e.g. Mamba) layers",
+                      "their state cannot be rolled back to the accepted path of a tree")
+    if model.logits_processors:
+        raise _refuse(f"engine-level logits processors {list(map(str, model.logits_processors))}",
+                      "they would see the root row of a tree only")
+    # vLLM implements offloading as a KV connector: name it first.
+    if getattr(vllm_config.cache_config, "kv_offloading_size", None):
+        raise _refuse("KV-cache offloading (kv_offloading_size)",
+                      "it would save the uncompacted tree slots of the KV cache")
+    if vllm_config.kv_transfer_config is not None:
+        raise _refuse("KV connectors (kv_transfer_config)",
+                      "they would save the uncompacted tree slots of the KV cache")
+
+
+def check_attention_layer(*, sliding_window: int | None, alibi_slopes: Any,
+                          logits_soft_cap: float | None, sinks: Any,
+                          kv_cache_dtype: str) -> None:
+    """Attention features the tree attention ignores (raise on the first)."""
+    if sliding_window not in (None, -1):
+        raise _refuse(f"sliding-window attention layers (window {sliding_window})",
+                      "tree attention reads the whole committed prefix")
+    if alibi_slopes is not None:
+        raise _refuse("ALiBi attention", "tree attention adds no position bias")
+    if logits_soft_cap:
+        raise _refuse(f"attention logit soft-capping (cap {logits_soft_cap})",
+                      "tree attention does not cap its scores")
+    if sinks is not None:
+        raise _refuse("attention sinks", "tree attention has no sink term")
+    if kv_cache_dtype != "auto":
+        raise _refuse(f"kv_cache_dtype {kv_cache_dtype!r}",
+                      "tree attention reads the cache in the model's dtype (use 'auto')")
+
+
+def check_kv_cache_groups(num_groups: int) -> None:
+    """The KV commit and the tree metadata use one cache group."""
+    if num_groups != 1:
+        raise _refuse(f"{num_groups} KV-cache groups (layers with different cache specs)",
+                      "the accepted path is committed in one group only")
