@@ -67,3 +67,18 @@ def random_drafter(target_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engines")
+
+
+SHORT_GREEDY_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def short_greedy_reference(target_dir, tokenizer, engine_dir) -> tuple[list, dict]:
+    """(prompts, plain vLLM's greedy run): 8 chat prompts, 64 tokens each."""
+    from tests.integration.prompts import chat_token_ids
+
+    prompts = chat_token_ids(tokenizer)[:8]
+    plain = run_engine({"engine": base_engine(target_dir), "prompts": prompts,
+                        "sampling": {"temperature": 0.0, "max_tokens": SHORT_GREEDY_TOKENS}},
+                       engine_dir, "short_greedy_plain")
+    return prompts, plain

@@ -5,7 +5,8 @@
 SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
-       "n_per_prompt": int, "schedule": {"off_steps", "period", "mode"} | null}
+       "n_per_prompt": int, "schedule": {"off_steps", "period", "mode"} | null,
+       "draft_faults": N | null (every N-th drafter forward raises)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "seconds": float, "preemptions": int, "prefix_cache_hits": int}
@@ -41,6 +42,8 @@ def main(spec_path: str, out_path: str) -> None:
                            args=(sch["off_steps"], sch["period"], sch["mode"]))
     if spec.get("break_stochastic") and tree_mode:
         llm.collective_rpc(oracle.break_stochastic_acceptance)
+    if spec.get("draft_faults") and tree_mode:
+        llm.collective_rpc(oracle.inject_draft_faults, args=(spec["draft_faults"],))
     sampling = SamplingParams(**spec["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     if spec.get("max_tokens_per_prompt"):  # requests finishing at different steps
@@ -60,6 +63,9 @@ def main(spec_path: str, out_path: str) -> None:
     seconds = time.perf_counter() - t0
     outputs = [[list(c.token_ids) for c in r.outputs] for r in results]
     tree = llm.collective_rpc(oracle.tree_metrics)[0] if tree_mode else None
+    if tree and tree["draft_faults"] and not spec.get("draft_faults"):
+        # the proposer survives a drafting fault; the tests must still see it
+        raise RuntimeError(f"{tree['draft_faults']} drafting step(s) raised; see the log")
     drafts = (llm.collective_rpc(oracle.recorded_drafts)[0]
               if spec.get("schedule") and tree_mode else None)
     metrics = llm.get_metrics()

@@ -242,3 +242,20 @@ def recorded_drafts(worker) -> dict:
     deferred drafter tokens were caught up."""
     return {"drafts": worker._treespec_drafts,
             "caught_up": worker.model_runner.drafter.catch_up_tokens}
+
+
+def inject_draft_faults(worker, every: int) -> bool:
+    """collective_rpc target: every ``every``-th forward of the drafter model
+    raises (first pass, tree level or catch-up alike)."""
+    model = worker.model_runner.drafter.model
+    forward = model.forward
+    calls = [0]
+
+    def failing_forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] % every == 0:
+            raise RuntimeError("injected drafter fault")
+        return forward(*args, **kwargs)
+
+    model.forward = failing_forward
+    return True

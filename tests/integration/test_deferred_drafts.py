@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.integration.conftest import SHORT_GREEDY_TOKENS as MAX_TOKENS
 from tests.integration.conftest import base_engine, run_engine
-from tests.integration.prompts import chat_token_ids
 
 pytestmark = pytest.mark.vllm
 
-MAX_TOKENS = 64
 TREE = {"method": "eagle3_tree", "num_nodes": 8, "depth": 3, "top_k": 4}
 
 
@@ -35,15 +34,12 @@ def agreement(a: dict, b: dict) -> tuple[float, int]:
     return sum(a[k] == b[k] for k in common) / max(len(common), 1), len(common)
 
 
-def test_catch_up_restores_the_drafts_of_a_drafter_that_never_skipped(target_dir, tokenizer,
-                                                                       engine_dir):
+def test_catch_up_restores_the_drafts_of_a_drafter_that_never_skipped(
+        target_dir, short_greedy_reference, engine_dir):
     from vllm_treespec.assets import committed_drafter_dir
 
     drafter = committed_drafter_dir()
-    prompts = chat_token_ids(tokenizer)[:8]
-    plain = run_engine({"engine": base_engine(target_dir), "prompts": prompts,
-                        "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}},
-                       engine_dir, "deferred_plain")
+    prompts, plain = short_greedy_reference
     outs = {m: run(target_dir, drafter, prompts, engine_dir, m)
             for m in ("reference", "defer", "drop")}
     for mode, out in outs.items():

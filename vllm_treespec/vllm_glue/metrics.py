@@ -36,6 +36,7 @@ class Totals:
     forward_s: float = 0.0
     accept_s: float = 0.0
     commit_s: float = 0.0
+    draft_faults: int = 0     # drafting steps that raised and fell back to no drafts
 
     def add_depths(self, counts: list[int]) -> None:
         if len(counts) > len(self.accepted_at_depth):
@@ -52,6 +53,7 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
     trees, steps = max(t["trees"], 1), max(t["steps"], 1)
     return {
         "steps": t["steps"], "chain_steps": t.get("chain_steps", 0), "trees": t["trees"],
+        "draft_faults": t.get("draft_faults", 0),
         "mean_accept_len": t["emitted"] / trees,
         "mean_tree_size": t["nodes"] / trees,
         "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
@@ -151,6 +153,11 @@ class TreeMetrics:
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
         self.stats.publish(dataclasses.asdict(self.total))
         self._maybe_log()
+
+    def on_draft_fault(self) -> None:
+        for t in self._both():
+            t.draft_faults += 1
+        self.stats.publish(dataclasses.asdict(self.total), force=True)
 
     def on_draft(self, seconds: float) -> None:
         for t in self._both():

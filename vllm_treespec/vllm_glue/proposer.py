@@ -26,6 +26,7 @@ catches the drafter's KV up in one batched pass before its own first pass.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -39,6 +40,8 @@ from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBui
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
+logger = logging.getLogger("vllm.treespec")
 
 
 @dataclasses.dataclass
@@ -69,6 +72,8 @@ class TreeEagleProposer(EagleProposer):
         self.deferred = DeferredDrafts(self.max_num_tokens)
         self.defer_when_off = True  # False: run the first pass every step (reference)
         self.catch_up_tokens = 0
+        self.faults = 0  # drafting steps that raised (see propose)
+        self._last_fault_log = 0.0
 
     # ------------------------------------------------------------------ drafts
     def _draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -95,11 +100,40 @@ class TreeEagleProposer(EagleProposer):
         return DynamicTreeBuilder(batch_size, cfg.top_k, depth, min(cfg.num_nodes, candidates),
                                   self.device, None, self._token_map())
 
-    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                target_hidden_states, next_token_ids, token_indices_to_sample,
-                common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
-                num_rejected_tokens_gpu=None, slot_mappings=None):
+    def propose(self, *args, **kwargs) -> list[list[int]]:
+        """Draft trees for this step's requests (vLLM's ``propose`` arguments).
+
+        Drafts are only proposals: if drafting raises, this step goes without
+        drafts (plain decoding is always correct) rather than taking the engine
+        down; the fault is counted and logged at most once a minute.
+        """
         t0 = time.perf_counter()
+        try:
+            return self._draft_trees(t0, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 -- see above
+            return self._no_drafts_after(err, t0)
+
+    def _no_drafts_after(self, err: Exception, t0: float) -> list[list[int]]:
+        req_ids = list(self.runner.input_batch.req_ids)
+        # Deferred inputs may be half caught up: drop them (drafter KV those
+        # positions miss costs draft quality only).
+        self.deferred.forget(req_ids)
+        now = time.monotonic()
+        first = self.faults == 0
+        self.faults += 1
+        if first or now - self._last_fault_log >= 60.0:
+            logger.warning("eagle3_tree: drafting failed (%d time(s) so far); this step "
+                           "decodes without drafts: %r", self.faults, err, exc_info=first)
+            self._last_fault_log = now
+        metrics = getattr(self.runner, "tree_metrics", None)
+        if metrics is not None:
+            metrics.on_draft_fault()
+        return self._finish_step(self._hand_over(None), t0)
+
+    def _draft_trees(self, t0, num_speculative_tokens, target_token_ids, target_positions,
+                     target_hidden_states, next_token_ids, token_indices_to_sample,
+                     common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                     num_rejected_tokens_gpu=None, slot_mappings=None):
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
         depth = self.policy.plan_depth(batch_size) if self.policy is not None \

@@ -8,6 +8,7 @@ summary at vLLM's log interval. Series:
     vllm_treespec:trees_total, vllm_treespec:draft_nodes_total,
     vllm_treespec:emitted_tokens_total (accepted drafts + bonus),
     vllm_treespec:accepted_at_depth_total{depth}, vllm_treespec:stage_seconds_total{stage},
+    vllm_treespec:draft_faults_total (drafting steps that raised; no drafts that step),
     vllm_treespec:mean_acceptance_length, vllm_treespec:mean_tree_size (since start)
 """
 
@@ -45,6 +46,8 @@ class TreeStatLogger(StatLoggerBase):
         self.nodes = _metric(C, "vllm_treespec:draft_nodes", "Draft nodes verified")
         self.emitted = _metric(C, "vllm_treespec:emitted_tokens",
                                "Tokens emitted by tree steps (accepted drafts + bonus)")
+        self.faults = _metric(C, "vllm_treespec:draft_faults",
+                              "Drafting steps that raised and fell back to no drafts")
         self.at_depth = _metric(C, "vllm_treespec:accepted_at_depth",
                                 "Trees that accepted at least `depth` draft tokens", ["depth"])
         self.stage = _metric(C, "vllm_treespec:stage_seconds",
@@ -60,12 +63,13 @@ class TreeStatLogger(StatLoggerBase):
             return
         before = self._seen or {"trees": 0, "nodes": 0, "emitted": 0, "accepted_at_depth": [],
                                 "draft_s": 0.0, "prepare_s": 0.0, "forward_s": 0.0,
-                                "accept_s": 0.0, "commit_s": 0.0}
+                                "accept_s": 0.0, "commit_s": 0.0, "draft_faults": 0}
         if now["trees"] < before["trees"]:  # worker restarted
             before = {k: (0 if not isinstance(v, list) else []) for k, v in before.items()}
         self.trees.inc(now["trees"] - before["trees"])
         self.nodes.inc(now["nodes"] - before["nodes"])
         self.emitted.inc(now["emitted"] - before["emitted"])
+        self.faults.inc(max(0, now.get("draft_faults", 0) - before.get("draft_faults", 0)))
         prev = before["accepted_at_depth"]
         for d, c in enumerate(now["accepted_at_depth"]):
             self.at_depth.labels(depth=str(d + 1)).inc(c - (prev[d] if d < len(prev) else 0))
