@@ -28,7 +28,7 @@ from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.attention.cpu_layout import kv_views
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
-from vllm_treespec.vllm_glue import support
+from vllm_treespec.vllm_glue import cpu_linear, support
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
@@ -62,7 +62,33 @@ class TreeRunnerMixin:
         support.check_kv_cache_groups(len(kv_cache_config.kv_cache_groups))
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if not kwargs.get("is_profiling", args[0] if args else False):
+            self._calibrate_kernels()
             self._calibrate_step_cost()
+
+    def _calibrate_kernels(self) -> None:
+        """Device hook: choose kernels by timing forwards (``_time_forward``)."""
+
+    def _time_forward(self, n: int, repeats: int = 3) -> float:
+        """Best-of seconds of a forward (+ logits) over n tokens, drafter excluded.
+        The drafter's dummy pass (all its steps) is not part of a verify step's
+        cost, and it made the sweeps slow and noisy."""
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:
+            drafter.dummy_run = lambda *args, **kwargs: None
+        try:
+            times = []
+            for _ in range(repeats):
+                self._sync_device()
+                t0 = time.perf_counter()
+                out = self._dummy_run(n)
+                hidden = out[0] if isinstance(out, tuple) else out
+                self.model.compute_logits(hidden[:n])
+                self._sync_device()  # device time, not launch time
+                times.append(time.perf_counter() - t0)
+            return min(times)
+        finally:
+            if drafter is not None:
+                del drafter.dummy_run  # the class's method again
 
     # Verified-token counts timed at startup: dense where decode batches live.
     CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -74,26 +100,8 @@ class TreeRunnerMixin:
         if policy is None:
             return
         limit = self.scheduler_config.max_num_batched_tokens
-        # _dummy_run also runs the drafter's dummy pass (all its steps): that is
-        # not part of a verify step's cost, and it made the sweep slow and noisy.
-        drafter = getattr(self, "drafter", None)
-        if drafter is not None:
-            drafter.dummy_run = lambda *args, **kwargs: None
-        try:
-            for n in (n for n in self.CALIBRATION_SIZES if n <= limit):
-                times = []
-                for _ in range(3 if n <= 64 else 1):
-                    self._sync_device()
-                    t0 = time.perf_counter()
-                    out = self._dummy_run(n)
-                    hidden = out[0] if isinstance(out, tuple) else out
-                    self.model.compute_logits(hidden[:n])
-                    self._sync_device()  # device time, not launch time
-                    times.append(time.perf_counter() - t0)
-                policy.step_cost.set_knot(n, min(times))
-        finally:
-            if drafter is not None:
-                del drafter.dummy_run  # the class's method again
+        for n in (n for n in self.CALIBRATION_SIZES if n <= limit):
+            policy.step_cost.set_knot(n, self._time_forward(n, 3 if n <= 64 else 1))
         cost = policy.step_cost
         logger.info("eagle3_tree: step cost %s (adaptive budget)",
                     ", ".join(f"{int(n)} tok {1e3 * t:.1f} ms"
@@ -319,10 +327,30 @@ class TreeRunnerMixin:
         self.positions[flat] = lin
 
 
-class _CPUKVLayout:
+class _CPUDevice:
+    """The CPU parts: the KV-cache layout, and linear layers that verify a few
+    tokens at close to one token's cost (``cpu_linear``)."""
+
     def _kv_views(self, cache: torch.Tensor):
         return kv_views(cache, cache.shape[-1] // 2)
 
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        if cpu_linear.enabled():
+            models = [self.model] + ([self.drafter.model] if hasattr(self, "drafter") else [])
+            self._small_m_layers = cpu_linear.install(models, self.model_config.dtype)
+
+    def _calibrate_kernels(self) -> None:
+        if not getattr(self, "_small_m_layers", 0):
+            return
+        limit = self.scheduler_config.max_num_batched_tokens
+        rows, timings = cpu_linear.calibrate(lambda n: self._time_forward(n, repeats=1),
+                                             range(2, min(cpu_linear.MAX_ROWS, limit) + 1))
+        logger.info("eagle3_tree: %d linear layers use W @ x^T for %s-row inputs; forward "
+                    "ms oneDNN/W @ x^T by rows: %s", self._small_m_layers, rows or "no",
+                    ", ".join(f"{n}: {1e3 * a:.1f}/{1e3 * b:.1f}"
+                              for n, (a, b) in timings.items()))
+
 
 def tree_cpu_runner_class(base: type) -> type:
-    return type("TreeCPUModelRunner", (_CPUKVLayout, TreeRunnerMixin, base), {})
+    return type("TreeCPUModelRunner", (_CPUDevice, TreeRunnerMixin, base), {})

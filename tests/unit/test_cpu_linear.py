@@ -1,0 +1,90 @@
+"""Few-row linear layers: exact weights, the stock kernel untouched, the runtime choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: E402
+
+from vllm_treespec.vllm_glue import cpu_linear  # noqa: E402
+
+
+def stock_layer(n_out: int, n_in: int, seed: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A layer dispatched the way vLLM's CPU backend dispatches linear layers."""
+    layer = torch.nn.Module()
+    weight = torch.randn(n_out, n_in, generator=torch.Generator().manual_seed(seed))
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    if cpu_linear._handler(layer.cpu_linear) is None:
+        pytest.skip("this vLLM build does not use oneDNN for CPU linear layers")
+    return layer, weight
+
+
+@pytest.fixture
+def layers():
+    model = torch.nn.Module()
+    model.a, wa = stock_layer(96, 64, 0)
+    model.b, wb = stock_layer(48, 96, 1)
+    stock = {"a": model.a.cpu_linear, "b": model.b.cpu_linear}
+    assert cpu_linear.install([model], torch.float32) == 2
+    yield model, {"a": wa, "b": wb}, stock
+    cpu_linear.use_rows([])
+
+
+def test_weights_are_recovered_exactly(layers):
+    model, weights, _ = layers
+    for name in ("a", "b"):
+        recovered, _ = cpu_linear._LAYERS[getattr(model, name).small_m_key]
+        assert torch.equal(recovered, weights[name])
+
+
+def test_rows_outside_the_choice_run_the_stock_kernel_bit_for_bit(layers):
+    model, _, stock = layers
+    cpu_linear.use_rows([2, 3])
+    for m in (1, 4, 7):
+        x = torch.randn(m, 64)
+        assert torch.equal(model.a.cpu_linear(x, None, None), stock["a"](x, None, None))
+
+
+def test_chosen_rows_compute_the_same_product(layers):
+    model, weights, _ = layers
+    cpu_linear.use_rows([2, 3])
+    for m in (2, 3):
+        x = torch.randn(m, 96)
+        bias = torch.randn(48)
+        got = model.b.cpu_linear(x, None, bias)
+        torch.testing.assert_close(got, x @ weights["b"].t() + bias, rtol=1e-5, atol=1e-5)
+        assert got.is_contiguous() and got.shape == (m, 48)
+
+
+def test_a_compiled_graph_follows_the_choice_made_after_compilation(layers):
+    model, _, stock = layers
+    compiled = torch.compile(lambda x: model.a.cpu_linear(x, None, None), dynamic=True,
+                             fullgraph=True)
+    x = torch.randn(3, 64)
+    cpu_linear.use_rows([])
+    before = compiled(x)
+    cpu_linear.use_rows([3])
+    after = compiled(x)
+    eager_new = model.a.cpu_linear(x, None, None)
+    assert torch.equal(before, stock["a"](x, None, None))
+    assert not torch.equal(eager_new, before)  # the two kernels round differently here
+    assert torch.equal(after, eager_new)
+
+
+def test_calibration_keeps_the_faster_row_counts_and_fills_single_gaps():
+    # W @ x^T is faster for 2, 3, 5 and 9 rows (4 measured slower by noise).
+    faster = {2, 3, 5, 9}
+
+    def time_step(n):
+        return 1.0 if n in faster and cpu_linear._ROWS == {n} else 2.0
+
+    chosen, timings = cpu_linear.calibrate(time_step, range(2, 11), repeats=1)
+    assert chosen == [2, 3, 4, 5, 9]
+    assert timings[2] == (2.0, 1.0) and timings[4] == (2.0, 2.0)
+    assert cpu_linear._ROWS == {2, 3, 4, 5, 9}
+    cpu_linear.use_rows([])

@@ -1,0 +1,130 @@
+"""Linear layers for the few-token steps that tree verification adds on the CPU.
+
+vLLM's CPU backend runs every unquantized linear layer through a prepacked
+oneDNN matmul. Its one-row kernel streams the weights at memory speed, but on
+the 2-core AVX2 machines measured (2026-11-23, SmolLM2-135M fp32) its kernel for
+2 to 8 rows is 2-4x slower: the linear layers of a forward over 2 tokens took
+44 ms against 19 ms for one token, so verifying even one draft token cost 1.7x a
+decode step and speculation could not pay. A plain ``W @ x^T`` (weights
+row-major, the few activation rows as columns) streams the weights once for all
+rows: 2-4 tokens then cost about 1.2x one token.
+
+So in tree mode on the CPU every linear layer of the target and the drafter gets
+a dispatcher (``small_m_linear``, an opaque custom op, so that compiled graphs
+keep the runtime choice): ``W @ x^T`` for the row counts where the startup
+calibration (``calibrate``) measured it faster, the stock oneDNN kernel
+otherwise. The weights are recovered exactly from the oneDNN handler (a product
+with the identity), which costs a second copy of the linear weights in memory;
+``VLLM_TREESPEC_CPU_SMALL_M_LINEAR=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+
+import torch
+
+ENV = "VLLM_TREESPEC_CPU_SMALL_M_LINEAR"
+MAX_ROWS = 16  # above this oneDNN's blocked kernel is the better one anyway
+
+# Row counts that take the W @ x^T path (read at run time by the op, so a
+# calibrated choice needs no recompilation). Empty: stock kernels only.
+_ROWS: set[int] = set()
+_LAYERS: list[tuple[torch.Tensor, Callable]] = []  # small_m_key -> (W [N, K], stock fn)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+@torch.library.custom_op("vllm_treespec::small_m_linear", mutates_args=())
+def small_m_linear(x: torch.Tensor, bias: torch.Tensor | None, key: int,
+                   out_features: int) -> torch.Tensor:
+    weight, stock = _LAYERS[key]
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    if m not in _ROWS:
+        return stock(x, None, bias)
+    if m % 2:  # measured: MKL's kernel for an odd column count is far slower
+        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    y = torch.mm(weight, rows.t()).t()[:m].contiguous()
+    if bias is not None:
+        y += bias
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+@small_m_linear.register_fake
+def _(x: torch.Tensor, bias: torch.Tensor | None, key: int,
+      out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def _dispatcher(key: int, out_features: int) -> Callable:
+    def cpu_linear(x, weight, bias):
+        return torch.ops.vllm_treespec.small_m_linear(x, bias, key, out_features)
+    return cpu_linear
+
+
+def install(models: Iterable[torch.nn.Module], dtype: torch.dtype) -> int:
+    """Give every oneDNN-dispatched linear layer of ``models`` the dispatcher;
+    returns how many layers got it. Call after the weights are loaded."""
+    count = 0
+    for model in models:
+        for module in model.modules():
+            stock = getattr(module, "cpu_linear", None)
+            if stock is None or hasattr(module, "small_m_key") or not _is_onednn(module):
+                continue
+            key = module.small_m_key = len(_LAYERS)
+            handler = _handler(stock)
+            k, n = handler.k, handler.n
+            # W^T = I @ W^T exactly: one non-zero term per output element.
+            w = stock(torch.eye(k, dtype=dtype), None, None).t().contiguous()
+            _LAYERS.append((w, stock))
+            module.cpu_linear = _dispatcher(key, n)
+            count += 1
+    return count
+
+
+def use_rows(rows: Iterable[int]) -> None:
+    """Row counts for which the ``W @ x^T`` path is used from now on."""
+    _ROWS.clear()
+    _ROWS.update(r for r in rows if 2 <= r <= MAX_ROWS)
+
+
+def calibrate(time_step: Callable[[int], float], sizes: Iterable[int] = range(2, MAX_ROWS + 1),
+              repeats: int = 4, margin: float = 0.03
+              ) -> tuple[list[int], dict[int, tuple[float, float]]]:
+    """Keep ``W @ x^T`` for the row counts where a timed step (``time_step(n)``:
+    seconds of one forward over n tokens) is faster with it by ``margin``. The
+    two kernels alternate and each keeps its best time, so that a noisy moment
+    does not decide; a row count between two chosen ones is chosen too.
+    Returns the chosen row counts and {rows: (stock s, W @ x^T s)}."""
+    wins, timings = [], {}
+    for n in sizes:
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(repeats):
+            for new in (False, True):
+                use_rows([n] if new else [])
+                best[new] = min(best[new], time_step(n))
+        timings[n] = (best[False], best[True])
+        if best[True] < (1.0 - margin) * best[False]:
+            wins.append(n)
+    chosen = set(wins)
+    chosen.update(n for n in range(min(wins, default=0), max(wins, default=0))
+                  if n - 1 in chosen and n + 1 in chosen)
+    use_rows(chosen)
+    return sorted(chosen), timings
+
+
+def _is_onednn(module: torch.nn.Module) -> bool:
+    return _handler(module.cpu_linear) is not None
+
+
+def _handler(fn) -> object | None:
+    """The oneDNN handler a stock ``cpu_linear`` closure holds, if it is one."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if hasattr(value, "handler_tensor") and hasattr(value, "k"):
+            return value
+    return None
