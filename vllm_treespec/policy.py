@@ -25,7 +25,8 @@ and decides every step:
   Every ``probe_every`` steps it drafts one level deeper than planned and
   verifies at least each request's chain to that depth, which keeps the
   acceptance statistics of the next depth current (and lets wrong estimates
-  recover). t(.) also carries the branching extra below, in proportion to how
+  recover); while speculation stays off, the gap between probes doubles, up
+  to 8 x ``probe_every``. t(.) also carries the branching extra below, in proportion to how
   often trees drafted to depth d branched.
 
 * **how wide to draft**: a level forwards only frontier nodes whose children
@@ -154,6 +155,8 @@ class StepCostTable:
 
 
 class AdaptiveBudget:
+    MAX_PROBE_GAP = 8  # while off, probes back off to one per 8 x probe_every steps
+
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
                  probe_every: int = 32, seed: int = 0):
         self.M, self.D, self.K = num_nodes, depth, width
@@ -178,6 +181,7 @@ class AdaptiveBudget:
         self._steps = 0
         self.last_depth = depth
         self.probing = False  # this step explores (see plan_depth)
+        self._probe_gap = self._next_probe = None  # set by the first _probe_due
 
     # ---------------------------------------------------------------- observe
     def observe_step(self, num_tokens: int, seconds: float, branching: bool = False) -> None:
@@ -263,7 +267,7 @@ class AdaptiveBudget:
                 return self.D
             if r > best:
                 best_d, best = d, r
-        self.probing = bool(self.probe_every and self._steps % self.probe_every == 0)
+        self.probing = self._probe_due(best_d)
         if self.probing:
             # Explore one level deeper than the plan, to keep the statistics of
             # the next depth current (a full-depth probe of a wide batch would
@@ -271,6 +275,25 @@ class AdaptiveBudget:
             best_d = min(self.D, best_d + 1)
         self.last_depth = best_d
         return best_d
+
+    def _probe_due(self, planned: int) -> bool:
+        """Whether this step probes. Every ``probe_every`` steps while speculating;
+        while off, each probe that leaves speculation off doubles the gap to the
+        next one (up to ``MAX_PROBE_GAP`` x), so a drafter that does not pay on
+        this device costs ever fewer probes, and still gets re-examined."""
+        if not self.probe_every:
+            return False
+        if self._next_probe is None:
+            self._probe_gap = self._next_probe = self.probe_every
+        if planned > 0 and self._probe_gap > self.probe_every:  # speculating again
+            self._probe_gap = self.probe_every
+            self._next_probe = min(self._next_probe, self._steps + self.probe_every)
+        if self._steps < self._next_probe:
+            return False
+        self._probe_gap = (min(2 * self._probe_gap, self.MAX_PROBE_GAP * self.probe_every)
+                           if planned == 0 else self.probe_every)
+        self._next_probe = self._steps + self._probe_gap
+        return True
 
     def select(self, scores: torch.Tensor, max_nodes: int,
                chain: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:

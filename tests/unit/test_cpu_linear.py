@@ -77,14 +77,14 @@ def test_a_compiled_graph_follows_the_choice_made_after_compilation(layers):
 
 
 def test_calibration_keeps_the_faster_row_counts_and_fills_single_gaps():
-    # W @ x^T is faster for 2, 3, 5 and 9 rows (4 measured slower by noise).
-    faster = {2, 3, 5, 9}
+    # W @ x^T is faster for 2, 3, 5 and 8 rows (4 measured slower by noise).
+    faster = {2, 3, 5, 8}
 
     def time_step(n):
         return 1.0 if n in faster and cpu_linear._ROWS == {n} else 2.0
 
-    chosen, timings = cpu_linear.calibrate(time_step, range(2, 11), repeats=1)
-    assert chosen == [2, 3, 4, 5, 9]
+    chosen, timings = cpu_linear.calibrate(time_step, range(2, 9), repeats=1)
+    assert chosen == [2, 3, 4, 5, 8]
     assert timings[2] == (2.0, 1.0) and timings[4] == (2.0, 2.0)
-    assert cpu_linear._ROWS == {2, 3, 4, 5, 9}
+    assert cpu_linear._ROWS == {2, 3, 4, 5, 8}
     cpu_linear.use_rows([])

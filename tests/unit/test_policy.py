@@ -92,11 +92,27 @@ def test_useless_drafter_turns_speculation_off():
 def test_probes_explore_one_level_deeper_even_when_off():
     p = policy(accept=(0.0,) * 6)
     p.probe_every = 5
-    assert [p.plan_depth(1) for _ in range(10)] == [0, 0, 0, 0, 1] * 2
+    planned = [p.plan_depth(1) for _ in range(200)]
+    # While off, each probe doubles the gap to the next, up to 8 x probe_every.
+    assert [i + 1 for i, d in enumerate(planned) if d] == [5, 15, 35, 75, 115, 155, 195]
+    assert set(planned) == {0, 1}
     cheap = policy(per_token=0.0001, accept=(0.8, 0.6, 0.0, 0.0, 0.0, 0.0))
     cheap.probe_every = 3
     planned = [cheap.plan_depth(1) for _ in range(3)]
     assert planned[2] == planned[0] + 1 and planned[0] == planned[1] > 0
+
+
+def test_probes_come_every_probe_every_steps_again_once_speculation_pays():
+    p = policy(accept=(0.0,) * 6)
+    p.probe_every = 4
+    for _ in range(60):  # off: the gap has grown to 32
+        p.plan_depth(1)
+    assert p._probe_gap == 32
+    p.accepted_at = [0.8, 0.6, 0.0, 0.0, 0.0, 0.0]  # the drafter got good (to depth 2)
+    depths = [p.plan_depth(1) for _ in range(12)]
+    assert min(depths) > 0
+    probes = [i for i in range(1, 12) if depths[i] > depths[i - 1]]
+    assert len(probes) >= 2 and p._probe_gap == 4
 
 
 def test_a_probe_verifies_the_chain_even_when_estimates_say_no():

@@ -13,8 +13,9 @@ So in tree mode on the CPU every linear layer of the target and the drafter gets
 a dispatcher (``small_m_linear``, an opaque custom op, so that compiled graphs
 keep the runtime choice): ``W @ x^T`` for the row counts where the startup
 calibration (``calibrate``) measured it faster, the stock oneDNN kernel
-otherwise. The weights are recovered exactly from the oneDNN handler (a product
-with the identity), which costs a second copy of the linear weights in memory;
+otherwise. Where vLLM dropped a layer's weights after packing them, they are
+recovered exactly from the oneDNN handler (a product with the identity): a
+second copy of those weights in memory;
 ``VLLM_TREESPEC_CPU_SMALL_M_LINEAR=0`` turns this off.
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 ENV = "VLLM_TREESPEC_CPU_SMALL_M_LINEAR"
-MAX_ROWS = 16  # above this oneDNN's blocked kernel is the better one anyway
+MAX_ROWS = 8  # above this oneDNN's blocked kernel won in every calibration measured
 
 # Row counts that take the W @ x^T path (read at run time by the op, so a
 # calibrated choice needs no recompilation). Empty: stock kernels only.
@@ -78,8 +79,10 @@ def install(models: Iterable[torch.nn.Module], dtype: torch.dtype) -> int:
             key = module.small_m_key = len(_LAYERS)
             handler = _handler(stock)
             k, n = handler.k, handler.n
-            # W^T = I @ W^T exactly: one non-zero term per output element.
-            w = stock(torch.eye(k, dtype=dtype), None, None).t().contiguous()
+            w = getattr(module, "weight", None)
+            if w is None or tuple(w.shape) != (n, k):  # vLLM dropped it after packing
+                # W^T = I @ W^T exactly: one non-zero term per output element.
+                w = stock(torch.eye(k, dtype=dtype), None, None).t().contiguous()
             _LAYERS.append((w, stock))
             module.cpu_linear = _dispatcher(key, n)
             count += 1
@@ -93,7 +96,7 @@ def use_rows(rows: Iterable[int]) -> None:
 
 
 def calibrate(time_step: Callable[[int], float], sizes: Iterable[int] = range(2, MAX_ROWS + 1),
-              repeats: int = 4, margin: float = 0.03
+              repeats: int = 6, margin: float = 0.03
               ) -> tuple[list[int], dict[int, tuple[float, float]]]:
     """Keep ``W @ x^T`` for the row counts where a timed step (``time_step(n)``:
     seconds of one forward over n tokens) is faster with it by ``margin``. The
