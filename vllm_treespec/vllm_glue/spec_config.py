@@ -153,21 +153,22 @@ def _spec_dict(engine_args: Any) -> dict[str, Any] | None:
     """The speculative config as vLLM will see it: the JSON form, or the
     ``--spec-method`` / ``--spec-model`` / ``--spec-tokens`` flags merged in
     (vLLM merges them inside ``create_speculative_config``; a tree must be
-    recognised before that)."""
+    recognised before that). Stock configs are left for vLLM to merge."""
     spec = engine_args.speculative_config
-    for flag, key in (("spec_method", "method"), ("spec_model", "model"),
-                      ("spec_tokens", "num_speculative_tokens")):
-        value = getattr(engine_args, flag, None)
-        if value is None:
-            continue
-        spec = dict(spec or {})
-        if key in spec:
-            raise TreeSpecConfigError(
-                f"--{flag.replace('_', '-')} and --speculative-config[{key!r}] are mutually "
-                f"exclusive")
-        spec[key] = value
-        setattr(engine_args, flag, None)
+    flags = {key: getattr(engine_args, flag, None) for flag, key in (
+        ("spec_method", "method"), ("spec_model", "model"),
+        ("spec_tokens", "num_speculative_tokens"))}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if not flags or (flags.get("method") or (spec or {}).get("method")) != METHOD:
+        return spec
+    both = sorted(set(flags) & set(spec or {}))
+    if both:
+        raise TreeSpecConfigError(
+            f"{METHOD}: {both} given both as --spec-* flags and in --speculative-config; "
+            f"allowed: one of the two")
+    spec = dict(spec or {}, **flags)
     engine_args.speculative_config = spec
+    engine_args.spec_method = engine_args.spec_model = engine_args.spec_tokens = None
     return spec
 
 
