@@ -9,7 +9,6 @@ so stock methods run untouched.
 from __future__ import annotations
 
 
-
 def install() -> None:
     # The vLLM version is checked when an eagle3_tree engine is configured
     # (``support.check_vllm_version``): stock methods stay usable on any version.

@@ -74,11 +74,11 @@ def install(models: Iterable[torch.nn.Module], dtype: torch.dtype) -> int:
     count = 0
     for model in models:
         for module in model.modules():
-            stock = getattr(module, "cpu_linear", None)
-            if stock is None or hasattr(module, "small_m_key") or not _is_onednn(module):
+            handler = _handler(getattr(module, "cpu_linear", None))
+            if handler is None or hasattr(module, "small_m_key"):
                 continue
+            stock = module.cpu_linear
             key = module.small_m_key = len(_LAYERS)
-            handler = _handler(stock)
             k, n = handler.k, handler.n
             w = getattr(module, "weight", None)
             if w is None or tuple(w.shape) != (n, k):  # vLLM dropped it after packing
@@ -114,19 +114,16 @@ def calibrate(time_step: Callable[[int], float], sizes: Iterable[int] = range(2,
         timings[n] = (best[False], best[True])
         if best[True] < (1.0 - margin) * best[False]:
             wins.append(n)
-    chosen = set(wins)
-    chosen.update(n for n in range(min(wins, default=0), max(wins, default=0))
-                  if n - 1 in chosen and n + 1 in chosen)
+    won = set(wins)
+    chosen = won | {n for n in range(min(wins, default=0), max(wins, default=0))
+                    if n - 1 in won and n + 1 in won}
     use_rows(chosen)
     return sorted(chosen), timings
 
 
-def _is_onednn(module: torch.nn.Module) -> bool:
-    return _handler(module.cpu_linear) is not None
-
-
 def _handler(fn) -> object | None:
-    """The oneDNN handler a stock ``cpu_linear`` closure holds, if it is one."""
+    """The oneDNN handler a stock ``cpu_linear`` closure holds (None for any
+    other kernel, or no ``cpu_linear`` at all)."""
     for cell in getattr(fn, "__closure__", None) or ():
         value = cell.cell_contents
         if hasattr(value, "handler_tensor") and hasattr(value, "k"):
