@@ -182,6 +182,7 @@ class AdaptiveBudget:
         self.last_depth = depth
         self.probing = False  # this step explores (see plan_depth)
         self._probe_gap = self._next_probe = None  # set by the first _probe_due
+        self._unverified = 0  # requests of the last drafting step with no drafts
 
     # ---------------------------------------------------------------- observe
     def observe_step(self, num_tokens: int, seconds: float, branching: bool = False) -> None:
@@ -208,20 +209,35 @@ class AdaptiveBudget:
                            predicted: float) -> None:
         """accepted: accepted drafts per tree of one step; predicted: the sum of
         the (uncalibrated) probabilities of the verified nodes."""
+        if accepted:
+            self._obs = 0.95 * self._obs + sum(accepted)
+            self._pred = 0.95 * self._pred + predicted
+            self.kappa = min(max(self._obs / self._pred, 0.05), 20.0)
+        # Requests of the drafting step that verified nothing accepted nothing.
+        accepted = list(accepted) + [0] * self._unverified
+        self._unverified = 0
         if not accepted:
             return
-        self._obs = 0.95 * self._obs + sum(accepted)
-        self._pred = 0.95 * self._pred + predicted
-        self.kappa = min(max(self._obs / self._pred, 0.05), 20.0)
         n = len(accepted)
         for d in range(min(depth_used, self.D)):
             rate = sum(1 for a in accepted if a >= d + 1) / n
             self.accepted_at[d] = 0.9 * self.accepted_at[d] + 0.1 * rate
 
     def observe_budget(self, depth: int, nodes_per_request: float,
-                       branching: bool = False) -> None:
+                       branching: bool = False, unverified: int = 0) -> None:
         """Mean nodes per request that a step drafted to ``depth`` went on to verify,
-        and whether its trees branch."""
+        whether its trees branch, and how many of its requests the selection left
+        without drafts. Those paid for drafting and will accept nothing: they
+        count as zero acceptance (with the next verify step, or now if no
+        request verifies anything). Otherwise ``accepted_at`` would only see the
+        confident steps the selection kept, and predict a gain for drafting
+        every step that most steps never get."""
+        if unverified:
+            if nodes_per_request == 0:
+                self._unverified = 0
+                self.observe_acceptance([0] * unverified, depth, 0.0)
+            else:
+                self._unverified = unverified
         if 1 <= depth <= self.D:
             self.nodes_at[depth - 1] = 0.8 * self.nodes_at[depth - 1] + 0.2 * nodes_per_request
             self.branch_at[depth - 1] = 0.8 * self.branch_at[depth - 1] + 0.2 * branching

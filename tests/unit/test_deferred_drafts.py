@@ -92,3 +92,27 @@ def test_a_recompute_supersedes_kept_positions_and_memory_is_counted():
     (batch,) = dd.take(["a"], None, max_pass_tokens=64)
     assert batch.positions.tolist() == [10, 11] and batch.query_lens == [2]
     assert dd.total_tokens == 0
+
+
+def test_raw_target_states_are_combined_at_catch_up_in_one_call_per_run():
+    """Decode steps defer the target's raw auxiliary states (width 8 here); the
+    drafter's fc (``combine``) runs at catch-up, once per consecutive run, while
+    pieces deferred already combined (width 4) pass through unchanged."""
+    calls = []
+
+    def combine(h):
+        calls.append(h.shape[0])
+        return h[:, :4] + h[:, 4:]
+
+    dd = DeferredDrafts(max_tokens=100, hidden_size=4, combine=combine)
+    ids, pos, hid, first, last = step([[10, 11]])          # after a verify step: combined
+    dd.defer(["a"], ids, pos, hid, first, last)
+    for p in (12, 13, 14):                                   # decode steps: raw
+        ids, pos, hid, first, last = step([[p]], d=8)
+        dd.defer(["a"], ids, pos, hid, first, last)
+    assert dd.pending(["a"]) == 5 and calls == []
+    (batch,) = dd.take(["a"], None, max_pass_tokens=64)
+    assert calls == [3]
+    assert batch.positions.tolist() == [10, 11, 12, 13, 14]
+    assert batch.hidden.shape == (5, 4)
+    assert batch.hidden[:, 0].tolist() == [10, 11, 24, 26, 28]

@@ -218,3 +218,34 @@ def test_a_drafting_step_pays_the_first_pass_an_off_step_skips():
         dear.observe_draft(2, 0.012, levels=0, nodes_forwarded=0, levels_s=0.0)
     assert cheap.predicted_ratio(1, 1) > dear.predicted_ratio(1, 1) + 0.15
     assert cheap.plan_depth(1) == 1 and dear.plan_depth(1) == 0
+
+
+def test_drafting_steps_that_verify_nothing_count_as_no_gain():
+    """The selection may keep no node on most steps (an unconfident drafter): those
+    steps still paid for drafting. If only the verified (confident) steps fed the
+    acceptance estimates, the plan would keep drafting every step for a gain that
+    only a few steps get. The CPU case: a 44 ms step, 5 ms of drafting."""
+    def run(verified_every):
+        p = policy(base=0.040, per_token=0.004, accept=(0.45, 0.1, 0.0, 0.0, 0.0, 0.0))
+        assert p.plan_depth(1) == 1
+        for step in range(200):
+            p.observe_draft(1, 0.005, 0, 0, 0.0)  # the drafter's pass: 5 ms
+            if step % verified_every == 0:  # a confident step: one node, accepted
+                p.observe_budget(1, 1.0, unverified=0)
+                p.observe_acceptance([1], depth_used=1, predicted=0.9)
+            else:
+                p.observe_budget(1, 0.0, unverified=1)
+        return p
+    assert run(verified_every=1).plan_depth(1) == 1      # every step gains: keep drafting
+    sparse = run(verified_every=10)
+    assert sparse.accepted_at[0] == pytest.approx(0.1, abs=0.08)
+    assert sparse.plan_depth(1) == 0                      # 1 step in 10 gains: off
+
+
+def test_unverified_requests_of_a_batch_join_its_next_verify_step():
+    p = policy(accept=(0.5,) * 6)
+    for _ in range(100):
+        p.observe_budget(1, 0.5, unverified=1)      # batch of 2: one request kept a node
+        p.observe_acceptance([1], depth_used=1, predicted=0.5)
+    assert p.accepted_at[0] == pytest.approx(0.5, abs=0.02)  # half the requests accept
+    assert p.kappa == pytest.approx(2.0, rel=0.05)           # calibrated on verified nodes only

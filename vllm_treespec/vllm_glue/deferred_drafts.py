@@ -53,9 +53,17 @@ class CatchUpBatch:
 
 
 class DeferredDrafts:
-    def __init__(self, max_tokens: int):
+    """``combine`` maps the target's raw auxiliary hidden states to the drafter's
+    input width ``hidden_size`` (EAGLE-3's fc layer). A decode step defers the
+    raw states (the off step then costs no drafter layer at all); they are
+    combined at catch-up, many rows per call."""
+
+    def __init__(self, max_tokens: int, hidden_size: int | None = None, combine=None):
         self.max_tokens = max_tokens
+        self.hidden_size = hidden_size
+        self.combine = combine
         self._spans: dict[str, list[DeferredSpan]] = {}
+        self._tokens: dict[str, int] = {}  # deferred tokens per request
 
     def __len__(self) -> int:
         return len(self._spans)
@@ -66,7 +74,7 @@ class DeferredDrafts:
 
     def pending(self, req_ids) -> int:
         """Deferred tokens of these requests."""
-        return sum(p.ids.shape[0] for r in req_ids for p in self._spans.get(r, ()))
+        return sum(self._tokens.get(r, 0) for r in req_ids)
 
     def defer(self, req_ids: list[str], ids: torch.Tensor, positions: torch.Tensor,
               hidden: torch.Tensor, first: list[int], last: list[int]) -> None:
@@ -82,13 +90,14 @@ class DeferredDrafts:
             if hi <= lo:
                 continue
             start = int(pos[lo])
-            kept = []
-            for piece in self._spans.get(req_id, ()):
-                n = min(piece.end, start) - piece.start
-                if n > 0:
-                    kept.append(DeferredSpan(piece.start, piece.ids[:n], piece.hidden[:n]))
-            kept.append(DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone()))
-            self._spans[req_id] = kept
+            piece = DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone())
+            kept = self._spans.setdefault(req_id, [])
+            if kept and kept[-1].end > start:  # a recompute: keep what precedes it
+                kept[:] = [DeferredSpan(p.start, p.ids[:n], p.hidden[:n]) for p in kept
+                           if (n := min(p.end, start) - p.start) > 0]
+                self._tokens[req_id] = sum(p.ids.shape[0] for p in kept)
+            kept.append(piece)
+            self._tokens[req_id] = self._tokens.get(req_id, 0) + (hi - lo)
 
     def take(self, req_ids: list[str], step_start: list[int] | None,
              max_pass_tokens: int) -> list[CatchUpBatch]:
@@ -104,7 +113,8 @@ class DeferredDrafts:
         """
         pieces = []  # (row, start, end, span)
         for b, req_id in enumerate(req_ids):
-            for span in _merged(self._spans.pop(req_id, ())):
+            self._tokens.pop(req_id, None)
+            for span in map(self._combined, _merged(self._spans.pop(req_id, ()))):
                 end = span.end if step_start is None else min(span.end, step_start[b])
                 for lo in range(span.start, end, max_pass_tokens):
                     pieces.append((b, lo, min(lo + max_pass_tokens, end), span))
@@ -120,9 +130,15 @@ class DeferredDrafts:
             passes.append(_catch_up_batch(current))
         return passes
 
+    def _combined(self, span: DeferredSpan) -> DeferredSpan:
+        if self.combine is None or span.hidden.shape[-1] == self.hidden_size:
+            return span
+        return DeferredSpan(span.start, span.ids, self.combine(span.hidden))
+
     def forget(self, req_ids) -> None:
         for r in req_ids:
             self._spans.pop(r, None)
+            self._tokens.pop(r, None)
 
 
 def _catch_up_batch(pieces) -> CatchUpBatch:
@@ -138,10 +154,13 @@ def _catch_up_batch(pieces) -> CatchUpBatch:
 
 
 def _merged(pieces) -> list[DeferredSpan]:
-    """Consecutive pieces joined into one span each (one copy, at catch-up)."""
+    """Consecutive pieces of one width joined into one span each (one copy, at
+    catch-up)."""
     runs: list[list[DeferredSpan]] = []
     for piece in pieces:
-        if runs and runs[-1][-1].end == piece.start:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.end == piece.start and \
+                last.hidden.shape[-1] == piece.hidden.shape[-1]:
             runs[-1].append(piece)
         else:
             runs.append([piece])

@@ -69,7 +69,8 @@ class TreeEagleProposer(EagleProposer):
         self.last_depth = cfg.depth
         # Drafter passes skipped while speculation is off (see deferred_drafts),
         # caught up in passes of at most max_num_tokens (the drafter's buffers).
-        self.deferred = DeferredDrafts(self.max_num_tokens)
+        self.deferred = DeferredDrafts(self.max_num_tokens, self.hidden_size,
+                                       lambda h: self.model.combine_hidden_states(h))
         self.defer_when_off = True  # False: run the first pass every step (reference)
         self.catch_up_tokens = 0
         self.faults = 0  # drafting steps that raised (see propose)
@@ -139,6 +140,17 @@ class TreeEagleProposer(EagleProposer):
         depth = self.policy.plan_depth(batch_size) if self.policy is not None \
             else self.tree_cfg.depth
         self.last_depth = depth
+        if (depth == 0 and self.defer_when_off
+                and common_attn_metadata.max_query_len == 1):
+            # Off, and every request decodes one token: a plain step would not
+            # run the drafter, so neither do we. Request b's first-pass input is
+            # (its new token, its position, the target's raw states there); they
+            # wait in self.deferred, combined (fc) only at catch-up.
+            rows = list(range(batch_size))
+            self.deferred.defer(req_ids, next_token_ids[:batch_size],
+                                target_positions[:batch_size],
+                                target_hidden_states[:batch_size], rows, rows)
+            return self._finish_off_step(common_attn_metadata, req_ids, t0)
         target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
 
         # --- first pass: stock EAGLE over the (compacted) accepted chain -----
@@ -155,9 +167,7 @@ class TreeEagleProposer(EagleProposer):
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
-            if self.deferred.pending(req_ids) > self.deferred.max_tokens:
-                self._catch_up(cad, req_ids, None)  # bounded memory: catch up now
-            return self._finish_step(self._hand_over(None), t0)
+            return self._finish_off_step(cad, req_ids, t0)
         if len(self.deferred):
             positions = self._get_positions(num_tokens)
             self._catch_up(cad, req_ids, positions[first_rows].tolist())
@@ -236,13 +246,19 @@ class TreeEagleProposer(EagleProposer):
                  else builder.finish(roots, budget))
         if self.policy is not None:
             self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
-                                       branching=not chain_only)
+                                       branching=not chain_only,
+                                       unverified=int((trees.num_nodes == 0).sum()))
             self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
                                       nodes_forwarded, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         self.last_trees = trees
         return self._finish_step(self._hand_over(trees), t0)
+
+    def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
+        if self.deferred.pending(req_ids) > self.deferred.max_tokens:
+            self._catch_up(cad, req_ids, None)  # bounded memory: catch up now
+        return self._finish_step(self._hand_over(None), t0)
 
     def _finish_step(self, drafts: list[list[int]], t0: float) -> list[list[int]]:
         self.last_draft_seconds = time.perf_counter() - t0
