@@ -15,7 +15,8 @@ and decides every step:
   from a timing sweep at startup, refined online), t_draft(d) the measured drafting
   time (the drafter's first pass over the verified tokens plus d - 1 levels of
   ``level_width(d)`` nodes per request), A(d) the accepted drafts per request
-  seen so far at depth <= d, and
+  seen so far at depth <= d (per drafted request: one the selection left
+  without drafts accepted none), and
   n(d) the nodes per request that trees drafted to depth d kept after the node
   selection below (a chain, n(d) = d, until observed: on a CPU, where every
   verified token costs, the selection often trims trees to short chains). The
@@ -64,9 +65,6 @@ class LinearFit:
 
     decay: float = 0.97
     sums: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
-    # Calibration points never decay: live steps often all have the same size,
-    # which alone cannot separate the fixed cost from the per-token cost.
-    prior: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
 
     @staticmethod
     def _terms(x: float, y: float, w: float) -> list[float]:
@@ -75,11 +73,8 @@ class LinearFit:
     def add(self, x: float, y: float, weight: float = 1.0) -> None:
         self.sums = [self.decay * s + t for s, t in zip(self.sums, self._terms(x, y, weight))]
 
-    def add_prior(self, x: float, y: float, weight: float = 1.0) -> None:
-        self.prior = [s + t for s, t in zip(self.prior, self._terms(x, y, weight))]
-
     def coefficients(self) -> tuple[float, float] | None:
-        sw, sx, sy, sxx, sxy = (a + b for a, b in zip(self.sums, self.prior))
+        sw, sx, sy, sxx, sxy = self.sums
         if sw <= 0:
             return None
         var = sxx * sw - sx * sx
@@ -356,12 +351,4 @@ class AdaptiveBudget:
         threshold = flat[best_k - 1]
         # Nodes at or above the threshold (ties may add a few; harmless).
         return (top >= threshold).sum(1).clamp(max=max_nodes).long(), float(rate[best_k])
-
-
-def probability_sum(scores: torch.Tensor, num_nodes: torch.Tensor) -> float:
-    """Sum of exp(score) over each tree's first num_nodes draft nodes (root excluded)."""
-    T = scores.shape[1]
-    idx = torch.arange(T, device=scores.device).unsqueeze(0)
-    keep = (idx >= 1) & (idx <= num_nodes.unsqueeze(1))
-    return float(torch.where(keep, torch.exp(scores.float()), 0.0).sum())
 

@@ -6,12 +6,8 @@ from hypothesis import given
 from tests.unit.test_tensorize import naive_path
 from tests.unit.treegen import tree_batches
 from vllm_treespec.tree import (
-    additive_mask,
     ancestor_bitmask,
     bitmask_to_mask,
-    dense_mask,
-    leaf_paths,
-    linear_positions,
     tree_mask,
     tree_positions,
 )
@@ -33,10 +29,6 @@ def test_tree_mask_is_ancestor_or_self_over_valid_nodes(tree):
 @given(tree_batches(max_nodes=14))
 def test_mask_forms_agree(tree):
     m = tree_mask(tree)
-    assert torch.equal(dense_mask(tree)[:, 0], m)
-    add = additive_mask(tree, torch.float16)
-    assert torch.equal(add[:, 0] == 0, m)
-    assert (add[:, 0][~m] == torch.finfo(torch.float16).min).all()
     assert torch.equal(bitmask_to_mask(ancestor_bitmask(tree), tree.tree_size), m)
 
 
@@ -54,18 +46,16 @@ def test_bitmask_uses_all_64_bits_and_several_words():
 
 
 @given(tree_batches())
-def test_positions_depth_based_and_slots_linear(tree):
+def test_positions_are_depth_based(tree):
     prefix = torch.arange(tree.batch_size) * 17 + 3
     pos = tree_positions(tree, prefix)
-    lin = linear_positions(tree, prefix)
     for b in range(tree.batch_size):
         assert pos[b].tolist() == [int(prefix[b]) + int(d) for d in tree.depth[b]]
-        assert lin[b].tolist() == list(range(int(prefix[b]), int(prefix[b]) + tree.tree_size))
 
 
 @given(tree_batches())
 def test_leaf_paths(tree):
-    paths, is_leaf = leaf_paths(tree)
+    paths, is_leaf = tree.ancestors, tree.is_leaf
     for b, tl in enumerate(tree.to_lists()):
         n = len(tl["token"])
         leaves = [i for i in range(n) if i not in tl["parent"][1:]]

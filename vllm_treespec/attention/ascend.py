@@ -61,7 +61,6 @@ from vllm_treespec.attention.reference import (
 )
 
 ASCEND_BLOCK_SIZE = 128          # vllm-ascend's only kernel block size
-INT32_MAX = 2147483647           # FIA's "no limit" for pre_tokens / next_tokens
 CAUSAL_MASK_SIZE = 2048          # sparse modes 2/3/4 take a compressed 2048x2048 mask
 
 FIA = "npu_fused_infer_attention_score"

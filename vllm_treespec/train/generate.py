@@ -156,15 +156,6 @@ def shard_paths(data_dir: Path, index: int) -> tuple[Path, Path]:
     return data_dir / f"shard_{index:05d}.safetensors", data_dir / f"shard_{index:05d}.jsonl"
 
 
-def completed_shards(data_dir: Path) -> list[int]:
-    out = []
-    for p in sorted(data_dir.glob("shard_*.jsonl")):
-        idx = int(p.stem.split("_")[1])
-        if shard_paths(data_dir, idx)[0].exists():
-            out.append(idx)
-    return out
-
-
 def generate_shards(
     llm,
     prompts: list[dict],

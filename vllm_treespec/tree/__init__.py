@@ -16,12 +16,8 @@ from vllm_treespec.tree.build import (
     StaticTreeBuilder,
 )
 from vllm_treespec.tree.mask import (
-    additive_mask,
     ancestor_bitmask,
     bitmask_to_mask,
-    dense_mask,
-    leaf_paths,
-    linear_positions,
     tree_mask,
     tree_positions,
 )
@@ -30,7 +26,6 @@ from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
 __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
-    "additive_mask", "ancestor_bitmask", "apply_compaction", "bitmask_to_mask",
-    "compaction_plan", "dense_mask", "greedy_accept", "leaf_paths", "linear_positions",
-    "stochastic_accept", "tree_mask", "tree_positions",
+    "ancestor_bitmask", "apply_compaction", "bitmask_to_mask", "compaction_plan",
+    "greedy_accept", "stochastic_accept", "tree_mask", "tree_positions",
 ]

@@ -6,8 +6,8 @@ but rotated with *depth-based* positions ``prefix_len + depth(i)`` so that each
 node sees the positions it would have in a plain sequence. Node i attends to the
 whole prefix plus its ancestors and itself — the "ancestor-or-self" mask.
 
-Masks come in the forms the backends need: dense bool (True = may attend),
-additive float, and a compact bitmask (one bit per tree column).
+Masks come in the forms the backends need: dense bool (True = may attend) and
+a compact bitmask (one bit per tree column).
 """
 
 from __future__ import annotations
@@ -24,22 +24,6 @@ def tree_mask(tree: TreeBatch) -> torch.Tensor:
     mask = torch.zeros(B, T, T, dtype=torch.bool, device=tree.device)
     mask.scatter_(2, tree.ancestors, True)
     return mask & tree.valid.unsqueeze(1)
-
-
-def dense_mask(tree: TreeBatch) -> torch.Tensor:
-    """[B, 1, T, T] bool (broadcast over heads), True = may attend."""
-    return tree_mask(tree).unsqueeze(1)
-
-
-def additive_mask(tree: TreeBatch, dtype: torch.dtype = torch.float32,
-                  masked_value: float | None = None) -> torch.Tensor:
-    """[B, 1, T, T] additive mask: 0 where allowed, ``masked_value`` elsewhere
-    (default: the dtype's most negative finite value, safe in half precision)."""
-    if masked_value is None:
-        masked_value = torch.finfo(dtype).min
-    allowed = dense_mask(tree)
-    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return out.masked_fill_(~allowed, masked_value)
 
 
 _BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -73,18 +57,3 @@ def bitmask_to_mask(bits: torch.Tensor, tree_size: int) -> torch.Tensor:
 def tree_positions(tree: TreeBatch, prefix_len: torch.Tensor) -> torch.Tensor:
     """[B, T] rotary positions: ``prefix_len + depth`` (root at ``prefix_len``)."""
     return prefix_len.to(tree.depth).unsqueeze(1) + tree.depth
-
-
-def linear_positions(tree: TreeBatch, prefix_len: torch.Tensor) -> torch.Tensor:
-    """[B, T] KV write positions: ``prefix_len + node index`` (slots stay linear)."""
-    return prefix_len.to(tree.depth).unsqueeze(1) + tree.node_index
-
-
-def leaf_paths(tree: TreeBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Root-to-leaf paths: ``(paths [B, T, D+1], is_leaf [B, T])``.
-
-    ``paths[b, i]`` is the root-to-node path of every node (see
-    ``TreeBatch.ancestors``); the rows where ``is_leaf`` is set are the root-to-leaf
-    paths, whose lengths are ``depth + 1``.
-    """
-    return tree.ancestors, tree.is_leaf

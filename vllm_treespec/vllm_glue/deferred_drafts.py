@@ -4,8 +4,9 @@ EAGLE's drafter runs a "first pass" every step over the tokens the target just
 verified, to write its own KV for them. While the adaptive budget keeps
 speculation off, that pass would be pure overhead (a plain step would not pay
 it), so the proposer skips it and *defers* its inputs here: per request, the
-drafter input ids, positions and the target's combined hidden states, exactly as
-the first pass would have read them. The next step that drafts first forwards
+drafter input ids, positions and the target's hidden states, exactly as the
+first pass would have read them (after a decode step, the raw auxiliary states,
+so that the off step runs no drafter layer at all; see ``DeferredDrafts``). The next step that drafts first forwards
 everything deferred in batched passes (``take``), which writes the
 missing drafter KV; then its own first pass runs as usual.
 

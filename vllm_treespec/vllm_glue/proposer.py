@@ -63,7 +63,6 @@ class TreeEagleProposer(EagleProposer):
         self.topology = StaticTopology.from_choices(cfg.choices) if cfg.is_static else None
         self.proposed: dict[str, ProposedTree] = {}
         self.last_draft_seconds = 0.0
-        self.last_trees: TreeBatch | None = None
         # Set by the runner when the adaptive budget is on (vllm_treespec.policy).
         self.policy = None
         self.last_depth = cfg.depth
@@ -252,7 +251,6 @@ class TreeEagleProposer(EagleProposer):
                                       nodes_forwarded, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
-        self.last_trees = trees
         return self._finish_step(self._hand_over(trees), t0)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
