@@ -9,18 +9,14 @@ disconnects mid-stream.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.integration.conftest import ROOT
+from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = pytest.mark.vllm
 
@@ -37,45 +33,17 @@ QUESTIONS = [
 MAX_TOKENS = 64
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
+              "--max-num-seqs", "8", "--compilation-config", '{"mode": 0}']
 
 
-class Server:
-    def __init__(self, target: Path, log: Path, spec: dict | None):
-        self.port = free_port()
-        args = [sys.executable, "-m", "vllm_treespec", "serve", str(target),
-                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--max-model-len", "2048", "--seed", "0", "--max-num-seqs", "8",
-                "--compilation-config", '{"mode": 0}', "--served-model-name", "smollm2"]
-        if spec:
-            args += ["--speculative-config", json.dumps(spec)]
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
-        self.log = log
-        self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=open(log, "w"),
-                                     stderr=subprocess.STDOUT)
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1",
-                                    api_key="none", timeout=300)
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited:\n{log.read_text()[-5000:]}")
-            try:
-                self.client.models.list()
-                return
-            except openai.APIConnectionError:
-                time.sleep(2)
-        self.stop()
-        raise AssertionError(f"server did not start:\n{log.read_text()[-5000:]}")
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def start(target: Path, log: Path, spec: dict | None) -> Server:
+    """The benchmark's server (same launcher), with an OpenAI client attached."""
+    server = Server(str(target), SERVE_ARGS, spec, log, served_name="smollm2",
+                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+                    startup_timeout_s=600)
+    server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300)
+    return server
 
 
 def chat(client, question, **kw):
@@ -99,16 +67,16 @@ def collect(client) -> dict:
 @pytest.fixture(scope="module")
 def servers(target_dir, random_drafter, tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
-    plain = Server(target_dir, logs / "plain.log", None)
+    plain = start(target_dir, logs / "plain.log", None)
     try:
         reference = collect(plain.client)
     finally:
-        plain.stop()
+        plain.close()
     spec = {"method": "eagle3_tree", "model": str(random_drafter), "num_nodes": 12,
             "depth": 4, "top_k": 4}
-    tree = Server(target_dir, logs / "tree.log", spec)
+    tree = start(target_dir, logs / "tree.log", spec)
     yield reference, tree
-    tree.stop()
+    tree.close()
 
 
 def test_greedy_answers_equal_plain_vllm(servers):
@@ -163,17 +131,14 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(servers):
 
 
 def test_tree_metrics_on_prometheus_endpoint(servers):
-    import urllib.request
-
     _, tree = servers
     chat(tree.client, QUESTIONS[1])
     time.sleep(1.5)  # the frontend reads the worker's counters on its next engine step
     chat(tree.client, QUESTIONS[2])
-    text = urllib.request.urlopen(f"http://127.0.0.1:{tree.port}/metrics", timeout=30).read()
-    lines = {ln.split(" ")[0]: ln.split(" ")[-1] for ln in text.decode().splitlines()
-             if ln.startswith("vllm_treespec:")}
-    assert float(lines["vllm_treespec:trees_total"]) > 0, lines
-    assert float(lines["vllm_treespec:draft_nodes_total"]) >= float(lines["vllm_treespec:trees_total"])
-    assert float(lines["vllm_treespec:mean_acceptance_length"]) >= 1.0
-    assert any(k.startswith('vllm_treespec:stage_seconds_total{stage="verify_forward"')
-               for k in lines)
+    m = tree.metrics()
+    trees = metric_sum(m, "vllm_treespec:trees_total")
+    assert trees > 0, m
+    assert metric_sum(m, "vllm_treespec:draft_nodes_total") >= trees
+    assert metric_sum(m, "vllm_treespec:mean_acceptance_length") >= 1.0
+    assert any(k.startswith("vllm_treespec:stage_seconds_total{") and 'stage="verify_forward"' in k
+               for k in m)

@@ -19,6 +19,7 @@ vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="prepare"} 0.0
 vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="verify_forward"} 0.76
 vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="accept"} 0.02
 vllm_treespec:stage_seconds_total{engine="0",model_name="m",stage="commit"} 0.01
+vllm:num_requests_running{engine="0",model_name="m"} 2.0 1700000000000
 """
 
 
@@ -43,6 +44,7 @@ def test_pangu240_has_240_interleaved_turns_and_second_turns_use_first_answers()
 
 def test_prometheus_parsing_sums_over_labels():
     m = parse_prometheus(PROM)
+    assert m['vllm:num_requests_running{engine="0",model_name="m"}'] == 2.0  # timestamp ignored
     assert metric_sum(m, "vllm_treespec:trees_total") == 10.0
     assert metric_sum(m, "vllm_treespec:stage_seconds_total") == pytest.approx(1.0)
     assert metric_sum(m, "vllm_treespec:trees") == 0.0  # a prefix of a name is not the name

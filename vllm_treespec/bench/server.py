@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,16 +21,12 @@ def free_port() -> int:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """{'name{labels}': value} for every sample line."""
+    """{'name{labels}': value} for every sample of a Prometheus text exposition."""
     out = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.rpartition(" ")
-        try:
-            out[key.strip()] = float(value)
-        except ValueError:
-            continue
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
     return out
 
 

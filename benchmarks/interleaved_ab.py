@@ -1,0 +1,132 @@
+"""Batch-1 decode cost of several methods, measured interleaved in one process.
+
+Why: on the shared 2-core machines, back-to-back server runs (``vllm-treespec
+bench``) drift by 10 % and more between methods (one run's plain decoding went
+from 18.3 to 21.0 tok/s between sessions), which swamps the few-percent
+differences of an adaptive budget that mostly stays off. Here every method's
+engine lives in the same process and each prompt is sent to all of them in turn,
+so slow drift hits every method alike. Per step it also splits the worker's time
+into the forward (``execute_model``) and sampling + drafting (``sample_tokens``),
+for one-token (plain or "off") steps and for verify steps separately.
+
+    python benchmarks/interleaved_ab.py --methods none,eagle3_tree --prompts 6 --max-tokens 256
+
+Engines are separate processes, and each one's forward speed can differ
+systematically (seen: 10-25 % between two engines with the same target); the
+split shows that apart from what speculation adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _install(worker) -> bool:
+    """collective_rpc target: time every execute_model / sample_tokens pair."""
+    runner = worker.model_runner
+    record = runner._ab_steps = []
+    execute, sample = runner.execute_model, runner.sample_tokens
+    current = {}
+
+    def execute_model(scheduler_output, *args, **kwargs):
+        t = time.perf_counter()
+        out = execute(scheduler_output, *args, **kwargs)
+        current.update(n=scheduler_output.total_num_scheduled_tokens,
+                       forward=time.perf_counter() - t)
+        return out
+
+    def sample_tokens(*args, **kwargs):
+        t = time.perf_counter()
+        out = sample(*args, **kwargs)
+        record.append((current.get("n", 0), current.get("forward", 0.0),
+                       time.perf_counter() - t))
+        return out
+
+    runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
+    return True
+
+
+def _collect(worker):
+    runner = worker.model_runner
+    steps, runner._ab_steps[:] = list(runner._ab_steps), []
+    metrics = getattr(runner, "tree_metrics", None)
+    return steps, (dataclasses.asdict(metrics.total) if metrics is not None else None)
+
+
+def _split(steps, max_verify_tokens: int) -> dict:
+    def mean_ms(rows, i):
+        return round(1e3 * statistics.mean(r[i] for r in rows), 2) if rows else None
+    one = [s for s in steps if s[0] == 1]
+    verify = [s for s in steps if 1 < s[0] <= max_verify_tokens]
+    return {"one_token_steps": len(one), "one_token_forward_ms": mean_ms(one, 1),
+            "one_token_sample_ms": mean_ms(one, 2), "verify_steps": len(verify),
+            "verify_forward_ms": mean_ms(verify, 1), "verify_sample_ms": mean_ms(verify, 2)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="none,eagle3_tree",
+                   help="comma-separated: none, eagle3_tree, eagle3:k=N")
+    p.add_argument("--prompts", type=int, default=6, help="first N pangu240 turns")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of local functions
+    from vllm import LLM, SamplingParams
+
+    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.bench import pangu240
+
+    assets = ensure_assets()
+
+    def spec(method):
+        if method == "none":
+            return None
+        if method == "eagle3_tree":
+            return {"method": "eagle3_tree", "model": str(assets.drafter)}
+        name, _, k = method.partition(":k=")
+        if name != "eagle3" or not k.isdigit():
+            raise SystemExit(f"--methods: unknown method {method!r}")
+        return {"method": "eagle3", "model": str(assets.drafter),
+                "num_speculative_tokens": int(k)}
+
+    methods = args.methods.split(",")
+    engines = {m: LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
+                      enable_prefix_caching=False, speculative_config=spec(m),
+                      max_num_seqs=1) for m in methods}
+    prompts = [t.messages[-1]["content"] for t in pangu240.build_turns(args.prompts)]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    for llm in engines.values():  # warm-up, then start recording
+        llm.generate(prompts[:1], greedy, use_tqdm=False)
+        llm.collective_rpc(_install)
+    wall = dict.fromkeys(methods, 0.0)
+    for prompt in prompts:
+        for method, llm in engines.items():
+            t = time.perf_counter()
+            llm.generate([prompt], greedy, use_tqdm=False)
+            wall[method] += time.perf_counter() - t
+    tokens = len(prompts) * args.max_tokens
+    result = {"prompts": len(prompts), "max_tokens": args.max_tokens, "methods": {}}
+    for method, llm in engines.items():
+        steps, totals = llm.collective_rpc(_collect)[0]
+        result["methods"][method] = {
+            "tok_s": round(tokens / wall[method], 2),
+            "vs_first": round(wall[methods[0]] / wall[method], 3),
+            **_split(steps, 64), "tree_totals": totals}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
