@@ -13,7 +13,8 @@ for one-token (plain or "off") steps and for verify steps separately.
 
 Engines are separate processes, and each one's forward speed can differ
 systematically (seen: 10-25 % between two engines with the same target); the
-split shows that apart from what speculation adds.
+split shows that apart from what speculation adds. ``tree_totals`` are the tree
+engine's own counters since it started (its warm-up request included).
 """
 
 from __future__ import annotations
