@@ -39,14 +39,15 @@ def _install(worker) -> bool:
         t = time.perf_counter()
         out = execute(scheduler_output, *args, **kwargs)
         current.update(n=scheduler_output.total_num_scheduled_tokens,
+                       verify=bool(scheduler_output.scheduled_spec_decode_tokens),
                        forward=time.perf_counter() - t)
         return out
 
     def sample_tokens(*args, **kwargs):
         t = time.perf_counter()
         out = sample(*args, **kwargs)
-        record.append((current.get("n", 0), current.get("forward", 0.0),
-                       time.perf_counter() - t))
+        record.append((current.get("n", 0), current.get("verify", False),
+                       current.get("forward", 0.0), time.perf_counter() - t))
         return out
 
     runner.execute_model, runner.sample_tokens = execute_model, sample_tokens
@@ -60,14 +61,16 @@ def _collect(worker):
     return steps, (dataclasses.asdict(metrics.total) if metrics is not None else None)
 
 
-def _split(steps, max_verify_tokens: int) -> dict:
+def _split(steps) -> dict:
+    """One-token steps (plain, or "off") and verify steps (some request has
+    drafts); prefill steps are neither."""
     def mean_ms(rows, i):
         return round(1e3 * statistics.mean(r[i] for r in rows), 2) if rows else None
-    one = [s for s in steps if s[0] == 1]
-    verify = [s for s in steps if 1 < s[0] <= max_verify_tokens]
-    return {"one_token_steps": len(one), "one_token_forward_ms": mean_ms(one, 1),
-            "one_token_sample_ms": mean_ms(one, 2), "verify_steps": len(verify),
-            "verify_forward_ms": mean_ms(verify, 1), "verify_sample_ms": mean_ms(verify, 2)}
+    one = [s for s in steps if s[0] == 1 and not s[1]]
+    verify = [s for s in steps if s[1]]
+    return {"one_token_steps": len(one), "one_token_forward_ms": mean_ms(one, 2),
+            "one_token_sample_ms": mean_ms(one, 3), "verify_steps": len(verify),
+            "verify_forward_ms": mean_ms(verify, 2), "verify_sample_ms": mean_ms(verify, 3)}
 
 
 def main(argv=None) -> int:
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
         result["methods"][method] = {
             "tok_s": round(tokens / wall[method], 2),
             "vs_first": round(wall[methods[0]] / wall[method], 3),
-            **_split(steps, 64), "tree_totals": totals}
+            **_split(steps), "tree_totals": totals}
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -6,9 +6,10 @@ speculation off, that pass would be pure overhead (a plain step would not pay
 it), so the proposer skips it and *defers* its inputs here: per request, the
 drafter input ids, positions and the target's hidden states, exactly as the
 first pass would have read them (after a decode step, the raw auxiliary states,
-so that the off step runs no drafter layer at all; see ``DeferredDrafts``). The next step that drafts first forwards
-everything deferred in batched passes (``take``), which writes the
-missing drafter KV; then its own first pass runs as usual.
+so that the off step runs no drafter layer at all; see ``DeferredDrafts``). The
+next step that drafts first forwards everything deferred in batched passes
+(``take``), which writes the missing drafter KV; then its own first pass runs as
+usual.
 
 Only draft quality depends on the drafter's KV (the verify step never reads it),
 so none of this can change what is emitted; it keeps the drafts as good as if
