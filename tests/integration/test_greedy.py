@@ -7,6 +7,8 @@ branches, and the KV commit runs on nearly every step.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.integration.conftest import base_engine, run_engine
@@ -124,3 +126,37 @@ def test_adaptive_budget_turns_off_useless_speculation(target_dir, random_drafte
     assert_identical(out["outputs"], expected)
     emitted = sum(len(o[0]) for o in out["outputs"])
     assert out["tree"]["trees"] < 0.25 * emitted, out["tree"]
+
+
+def test_one_token_requests_joining_a_decode_batch(target_dir, random_drafter, tokenizer,
+                                                   engine_dir):
+    """vLLM pads a request that joins running decodes with a single token to
+    schedule (here: one-token prompts, admitted as slots free up) with -1
+    placeholder drafts; they are verified as token 0. And with
+    ``validate_invariants``, a tree that fails a check is verified as a chain of
+    the same drafts. The soak found both paths broken (an endless re-check, and
+    a fallback chain verified under the old tree's mask). Two runs, both
+    identical to plain decoding: the drafter's own trees (valid: nothing
+    dumped), and the oracle's, which give a node more than ``top_k`` children
+    (invalid: dumped, then verified as chains)."""
+    prompts = chat_token_ids(tokenizer)[:3] + [[t] for t in (504, 1838, 28, 9519)]
+    lengths = [60, 10, 60, 40, 12, 40, 40]
+    plain = {"engine": base_engine(target_dir, max_num_seqs=3), "prompts": prompts,
+             "sampling": {"temperature": 0.0, "max_tokens": 60}, "max_tokens_per_prompt": lengths}
+    expected = [o[0] for o in run_engine(plain, engine_dir, "one_token_reference")["outputs"]]
+    ref_map = {",".join(map(str, p)): o for p, o in zip(prompts, expected)}
+    for name, oracle in (("drafter", False), ("oracle", True)):
+        trace = engine_dir / f"one_token_trace_{name}"
+        spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=6, max_num_seqs=3)
+        if not oracle:
+            del spec["oracle"]
+        spec["engine"]["speculative_config"].update(validate_invariants=True,
+                                                    trace_dir=str(trace))
+        spec["max_tokens_per_prompt"] = lengths
+        out = run_engine(spec, engine_dir, f"one_token_{name}")
+        assert_identical(out["outputs"], expected)
+        dumps = list(trace.glob("treespec-failure-*.json"))
+        assert bool(dumps) == oracle, f"{name}: {len(dumps)} invariant dumps"
+        steps = [json.loads(line) for f in trace.glob("steps-*.jsonl") for line in open(f)]
+        # a verify step at prefix 0 is a one-token prompt padded with placeholders
+        assert any(r["prefix_len"] == 0 for s in steps for r in s["requests"]), name

@@ -184,6 +184,7 @@ class TreeRunnerMixin:
         entries.sort(key=lambda e: e[0])
         req_index = np.array([e[0] for e in entries], dtype=np.int64)
         token_start = self.query_start_loc.np[req_index].astype(np.int64)
+        self._replace_placeholder_drafts(entries, token_start)
         roots = self.input_ids.gpu[torch.from_numpy(token_start).to(self.device)].tolist()
         tree = TreeBatch.from_parents(
             [[r] + e[1] for r, e in zip(roots, entries)],
@@ -194,6 +195,8 @@ class TreeRunnerMixin:
         cu_sampled = np.cumsum(num_draft + 1)
         logit_start = cu_sampled[req_index] - (num_draft[req_index] + 1)
         prefix = self.input_batch.num_computed_tokens_cpu[req_index].astype(np.int64)
+        if self.tree_cfg.validate_invariants:  # before the step holds the tree
+            tree = self._checked(tree, entries, roots, prefix)
         dev = self.device
         step = VerifyStep(req_index=torch.from_numpy(req_index).to(dev), tree=tree,
                           prefix_len=torch.from_numpy(prefix).to(dev),
@@ -201,13 +204,31 @@ class TreeRunnerMixin:
                           logit_start=torch.from_numpy(logit_start).to(dev),
                           num_reqs=num_reqs, predicted=sum(e[3] for e in entries),
                           depth=getattr(self.drafter, "last_depth", tree.max_depth))
-        if self.tree_cfg.validate_invariants:
-            tree = self._checked(tree, entries, roots, prefix)
         # Depth-based rotary positions; the slot mapping above stays linear.
         flat = step.token_start.unsqueeze(1) + tree.node_index
         pos = step.prefix_len.unsqueeze(1) + tree.depth
         self.positions[flat[tree.valid]] = pos[tree.valid]
         return step
+
+    def _replace_placeholder_drafts(self, entries: list, token_start: np.ndarray) -> None:
+        """vLLM 0.27 pads a request that joins a decode batch with one token to
+        schedule (a one-token prompt, or a resumed request whose prefix is cached)
+        to the batch's draft count with -1 placeholder drafts (uniform shapes for
+        graphs). -1 is not a token: its input row would index the embedding with
+        -1 and its acceptance would read the last vocabulary entry's probability.
+        Such drafts are verified as a chain of token 0 instead, in the tree and in
+        the input row. That is lossless: every draft is verified as a
+        deterministic proposal, whichever token it is."""
+        vocab = self.input_batch.vocab_size
+        rows = []
+        for i, (index, tokens, _, _) in enumerate(entries):
+            bad = [j for j, t in enumerate(tokens) if not 0 <= t < vocab]
+            if bad:
+                fixed = [0 if j in bad else t for j, t in enumerate(tokens)]
+                entries[i] = (index, fixed, list(range(len(fixed))), 0.0)
+                rows += [int(token_start[i]) + 1 + j for j in bad]
+        if rows:
+            self.input_ids.gpu[torch.tensor(rows, device=self.device)] = 0
 
     def _checked(self, tree: TreeBatch, entries, roots, prefix) -> TreeBatch:
         """Validate the scheduled trees; a malformed one is verified as a chain of
@@ -215,12 +236,16 @@ class TreeRunnerMixin:
         from vllm_treespec.observability import dump_failure, trace_dir_from
         from vllm_treespec.tree import TreeInvariantError
 
+        as_chain: set[int] = set()
         while True:
             try:
                 tree.validate(vocab_size=self.input_batch.vocab_size)
                 return tree
             except TreeInvariantError as err:
                 b = err.request
+                if b in as_chain:  # a chain of in-vocabulary drafts is always valid
+                    raise
+                as_chain.add(b)
                 dump_failure(err, {"stage": "verify",
                                    "request_id": self.input_batch.req_ids[entries[b][0]],
                                    "trees": tree.to_lists(), "prefix_len": prefix.tolist()},
