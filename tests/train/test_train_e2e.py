@@ -42,11 +42,58 @@ def run(target_dir, tmp_path_factory):
               "--eval-every", "7", "--save-every", "7", "--eval-seqs", "1", "--tokens-per-batch", "400",
               "--lr", "3e-3", "--warmup", "2", "--threads-train", "2"]
     log = out / "log.txt"
+    # A wall-clock budget spent before the first shard: nothing generated, and the
+    # vocabulary is not built from the (empty) data either.
+    _cli(common + ["--stages", "prompts,generate,vocab", "--max-minutes", "1e-4"], log)
+    early = {"shards": len(list((work / "data").glob("shard_*.safetensors"))),
+             "vocab": (work / "vocab.safetensors").exists(),
+             "progress": json.loads((work / "progress.json").read_text())}
     # First call stops after its first optimizer step (time budget) ...
     _cli(common + ["--stages", "prompts,generate,vocab,train", "--max-hours", "1e-7"], log)
     # ... the second resumes from the checkpoint and finishes.
     text = _cli(common + ["--stages", "train,export"], log)
-    return {"out": out, "work": work, "log": text, "target": target_dir}
+    return {"out": out, "work": work, "log": text, "target": target_dir, "early": early,
+            "common": common}
+
+
+def test_a_spent_budget_stops_before_a_shard_and_skips_later_stages(run):
+    assert run["early"]["shards"] == 0 and not run["early"]["vocab"]
+    assert run["early"]["progress"]["shards"] == 0
+    assert "rerun the same command to continue" in run["log"] or "stopped for time" in run["log"]
+    progress = json.loads((run["work"] / "progress.json").read_text())
+    assert progress["shards"] == 2 and progress["sequences"] == 8
+    assert progress["train_steps"] == 14 and progress["generate_seconds"] > 0
+    assert progress["best_accept_len_proxy"] is not None
+    assert f"progress so far: {{\"generate_seconds\"" in run["log"]  # printed at start
+
+
+def test_training_continues_from_an_exported_head(run, tmp_path):
+    """--init HEAD: the run takes the head's vocabulary and starts from its
+    weights (its first evaluation matches the head's); a run whose vocabulary
+    differs from the head's is refused."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "data").symlink_to(run["work"] / "data")
+    common = [a if a != str(run["work"]) else str(work) for a in run["common"]]
+    i = common.index("--steps")
+    common[i + 1] = "1"
+    _cli(common + ["--stages", "vocab,train", "--init", str(run["out"])], tmp_path / "log.txt")
+    history = json.loads((work / "train_history.json").read_text())
+    head_eval = json.loads((run["out"] / "MANIFEST.json").read_text())["training"]["heldout_eval"]
+    # the head was evaluated in fp32 before its bf16 export: allow a flip or two
+    assert abs(history[0]["accept_len_proxy"] - head_eval["accept_len_proxy"]) < 0.1
+    from vllm_treespec.train.trainer import TrainConfig, build_model
+    from vllm_treespec.train.vocab import load_vocab
+
+    assert list(load_vocab(work / "vocab.safetensors")) == list(load_vocab(run["work"] / "vocab.safetensors"))
+    cfg = TrainConfig(target=str(run["target"]), aux_layers=(2, 15, 27), init=str(run["out"]))
+    with pytest.raises(ValueError, match="draft vocabulary differ"):
+        other = tmp_path / "other"
+        other.mkdir()
+        from safetensors.numpy import save_file
+
+        save_file({"draft_ids": load_vocab(work / "vocab.safetensors")[:-1]}, str(other / "vocab.safetensors"))
+        build_model(cfg, other, "cpu")
 
 
 def test_shards_hold_the_states_hf_computes(run):

@@ -1,7 +1,13 @@
 """``vllm-treespec train-drafter``: distill an EAGLE-3 drafter for a Llama target.
 
-Every stage is resumable and keyed to ``--work``; rerunning the same command
-continues where it stopped. ``--stages`` runs a subset (default: all).
+Every stage is resumable and keyed to the work directory (default
+``~/.cache/vllm-treespec/drafter-work/RUN``); rerunning the same command continues
+where it stopped. ``--stages`` runs a subset (default: all). ``--max-minutes``
+bounds one invocation: generation stops before a shard it cannot finish, training
+at a checkpoint, and the later stages wait for the next invocation (a vocabulary
+built from half the data would stay half-built). ``progress.json`` in the work
+directory (shards, positions, steps, best held-out proxy, compute spent) is
+printed when the command starts and rewritten after every stage.
 """
 
 from __future__ import annotations
@@ -16,6 +22,49 @@ import time
 from pathlib import Path
 
 STAGES = ("prompts", "generate", "followups", "vocab", "train", "export")
+DEFAULT_WORK_ROOT = Path.home() / ".cache" / "vllm-treespec" / "drafter-work"
+
+
+class Progress:
+    """``progress.json``: what a run has done so far, across invocations."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        self.path = work / "progress.json"
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {
+            "generate_seconds": 0.0, "train_seconds": 0.0}
+
+    def update(self, **add_seconds: float) -> None:
+        from . import prompts as P
+
+        work = self.work
+        for key, secs in add_seconds.items():
+            self.data[key] = round(self.data.get(key, 0.0) + secs, 1)
+        metas = sorted((work / "data").glob("shard_*.jsonl"))
+        rows = [r for m in metas for r in P.read_jsonl(m)]
+        self.data.update(shards=len(metas), sequences=len(rows),
+                         positions=sum(r["prompt_len"] + r["new_tokens"] - 1 for r in rows))
+        last = work / "ckpt" / "last.pt"
+        if last.exists():
+            import torch
+
+            state = torch.load(last, map_location="cpu", weights_only=False)["state"]
+            best = state["best"] or {}
+            self.data.update(train_steps=state["step"], total_steps=state["total_steps"],
+                             trained_positions=state["positions"],
+                             train_seconds=round(state["train_seconds"], 1),
+                             best_step=best.get("step"),
+                             best_accept_len_proxy=best.get("accept_len_proxy"))
+        self.data["compute_hours"] = round(
+            (self.data["generate_seconds"] + self.data["train_seconds"]) / 3600, 3)
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+
+
+def _out_of_time(deadline: float | None, stage: str) -> bool:
+    if deadline is not None and time.time() >= deadline:
+        _log(f"{stage}: the --max-minutes budget is spent; rerun the same command to continue")
+        return True
+    return False
 
 
 def _log(msg: str) -> None:
@@ -31,7 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--target", required=True, help="target model directory (HF format)")
     p.add_argument("--out", required=True, help="output directory for the drafter checkpoint")
-    p.add_argument("--work", default=None, help="work directory for data and checkpoints (default: OUT/work)")
+    p.add_argument("--work", default=None,
+                   help="work directory for data and checkpoints (default: "
+                   "~/.cache/vllm-treespec/drafter-work/RUN)")
+    p.add_argument("--run", default=None, help="name of the run (default: the name of --out)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock budget of this invocation; rerun the command to continue")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("data")
@@ -68,9 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=200)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=0.5)
-    t.add_argument("--init", choices=("target", "random"), default="target",
+    t.add_argument("--init", default="target",
                    help="'target': lm_head/norm from the target's head, decoder layer from its last "
-                   "layer; 'random': lm_head/norm only")
+                   "layer; 'random': lm_head/norm only; or the directory of an exported head to "
+                   "continue training (its draft vocabulary becomes the run's)")
     t.add_argument("--eval-seqs", type=int, default=128, help="held-out sequences for evaluation")
     t.add_argument("--eval-every", type=int, default=500)
     t.add_argument("--save-every", type=int, default=250)
@@ -90,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     target = str(Path(args.target).resolve())
     out = Path(args.out).resolve()
-    work = Path(args.work).resolve() if args.work else out / "work"
+    work = (Path(args.work) if args.work else DEFAULT_WORK_ROOT / (args.run or out.name)).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + 60 * args.max_minutes if args.max_minutes else None
+    progress = Progress(work)
+    _log(f"work directory {work}; progress so far: {json.dumps(progress.data)}")
     random.seed(args.seed)
 
     from transformers import AutoConfig
@@ -131,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.time()
                 queries = generate_self_queries(get_llm(), int(n_self * 1.6), args.seed)
                 P.write_jsonl(self_path, [{"query": q} for q in queries])
+                progress.update(generate_seconds=time.time() - t0)
                 _log(f"self-queries: {len(queries)} in {time.time() - t0:.0f}s")
             queries = [r["query"] for r in P.read_jsonl(self_path)] if n_self else []
             mix = dict(P.DEFAULT_MIX)
@@ -144,14 +203,21 @@ def main(argv: list[str] | None = None) -> int:
     if "generate" in stages:
         from .generate import generate_shards
 
+        if _out_of_time(deadline, "generate"):
+            return _stopped(progress)
+
         rows = P.read_jsonl(work / "prompts.jsonl")
         t0 = time.time()
         stats = generate_shards(
             get_llm(), rows, data_dir, aux_layers=aux_layers, seed=args.seed,
             max_tokens=args.max_tokens, greedy_frac=args.greedy_frac, temperatures=temps,
-            shard_size=args.shard_size, log=_log,
+            shard_size=args.shard_size, log=_log, deadline=deadline,
+            shard_seconds=progress.data.get("generate_seconds", 0.0) / max(1, progress.data.get("shards", 0)),
         )
+        progress.update(generate_seconds=stats["seconds"])
         _log(f"generate: {stats} in {time.time() - t0:.0f}s")
+        if stats["stopped"]:
+            return _stopped(progress)
 
     if "followups" in stages:
         from .generate import generate_shards
@@ -179,9 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             stats = generate_shards(
                 get_llm(), fups, data_dir, aux_layers=aux_layers, seed=args.seed,
                 max_tokens=args.max_tokens, greedy_frac=args.greedy_frac, temperatures=temps,
-                shard_size=args.shard_size, first_shard=n_main, log=_log,
+                shard_size=args.shard_size, first_shard=n_main, log=_log, deadline=deadline,
+                shard_seconds=progress.data["generate_seconds"] / max(1, progress.data.get("shards", 0)),
             )
+            progress.update(generate_seconds=stats["seconds"])
             _log(f"followups generate: {stats}")
+            if stats["stopped"]:
+                return _stopped(progress)
 
     if llm is not None:
         del llm
@@ -190,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         from .vocab import build_vocab_from_shards
 
         vpath = work / "vocab.safetensors"
-        if not vpath.exists():
+        if not vpath.exists() and Path(args.init).is_dir():
+            from .vocab import copy_vocab_of_head
+
+            _log(f"vocab: {copy_vocab_of_head(args.init, vpath)}")
+        elif not vpath.exists():
             t0 = time.time()
             info = build_vocab_from_shards(data_dir, tcfg.vocab_size, args.draft_vocab, vpath,
                                            tokenizer_dir=target, use_corpus=args.vocab_corpus)
@@ -199,8 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     if "train" in stages:
         from .trainer import TrainConfig, train
 
-        cfg = TrainConfig.from_args(args, target=target, aux_layers=aux_layers)
-        train(cfg, work, log=_log)
+        cfg = TrainConfig.from_args(args, target=target, aux_layers=aux_layers, deadline=deadline)
+        state = train(cfg, work, log=_log)
+        progress.update()
+        if state["step"] < state["total_steps"] and _out_of_time(deadline, "train"):
+            return _stopped(progress)
 
     if "export" in stages:
         from .trainer import export_best
@@ -213,6 +290,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         path = export_best(work, out, dtype=args.dtype, log=_log, manifest_extra=extra)
         _log(f"export: {path}")
+    progress.update()
+    return 0
+
+
+def _stopped(progress: Progress) -> int:
+    progress.update()
+    _log(f"stopped for time; progress: {json.dumps(progress.data)}")
     return 0
 
 

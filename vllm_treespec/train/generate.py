@@ -169,8 +169,14 @@ def generate_shards(
     shard_size: int,
     first_shard: int = 0,
     log: Callable[[str], None] = print,
+    deadline: float | None = None,
+    shard_seconds: float = 0.0,
 ) -> dict:
-    """Answer ``prompts`` shard by shard, skipping shards already on disk."""
+    """Answer ``prompts`` shard by shard, skipping shards already on disk.
+
+    With a ``deadline`` (``time.time()`` value), no shard is started that would
+    not finish before it, by the mean of ``shard_seconds`` (earlier invocations)
+    and this invocation's shards; ``stats["stopped"]`` then says so."""
     from safetensors.numpy import save_file
     from tqdm import tqdm
 
@@ -178,7 +184,8 @@ def generate_shards(
     tokenizer = llm.get_tokenizer()
     capture = HiddenStateCapture(llm, aux_layers)
     max_len = llm.llm_engine.model_config.max_model_len
-    stats = {"tokens": 0, "new_tokens": 0, "seconds": 0.0, "shards": 0, "skipped": 0}
+    stats = {"tokens": 0, "new_tokens": 0, "seconds": 0.0, "shards": 0, "skipped": 0,
+             "stopped": False}
     blocks = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
     bar = tqdm(total=len(blocks), desc="generate", unit="shard")
     for b, block in enumerate(blocks):
@@ -187,6 +194,11 @@ def generate_shards(
         if meta_path.exists() and st_path.exists():
             bar.update(1)
             continue
+        expected = stats["seconds"] / stats["shards"] if stats["shards"] else shard_seconds
+        if deadline is not None and time.time() + expected > deadline:
+            stats["stopped"] = True
+            log(f"[generate] stopping before shard {index}: ~{expected:.0f}s left no room")
+            break
         texts, params, temps, kept = [], [], [], []
         for p in block:
             text = tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)

@@ -57,7 +57,8 @@ class TrainConfig:
     steps: int | None = None
     epochs: float = 2.0
     max_hours: float | None = None
-    init: str = "target"
+    deadline: float | None = None  # time.time() at which to stop at a checkpoint
+    init: str = "target"  # "target", "random", or an exported head to continue from
     eval_seqs: int = 128
     eval_every: int = 500
     save_every: int = 250
@@ -66,14 +67,14 @@ class TrainConfig:
     threads: int | None = None
 
     @classmethod
-    def from_args(cls, args, target: str, aux_layers) -> "TrainConfig":
+    def from_args(cls, args, target: str, aux_layers, deadline: float | None = None) -> "TrainConfig":
         return cls(
             target=target, aux_layers=tuple(aux_layers), seed=args.seed, ttt_steps=args.ttt_steps,
             step_decay=args.step_decay, hard_weight=args.hard_weight,
             tokens_per_batch=args.tokens_per_batch, max_seq_len=args.max_seq_len, lr=args.lr,
             warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
             steps=args.steps, epochs=args.epochs, max_hours=getattr(args, "max_hours", None),
-            init=args.init, eval_seqs=args.eval_seqs, eval_every=args.eval_every,
+            deadline=deadline, init=args.init, eval_seqs=args.eval_seqs, eval_every=args.eval_every,
             save_every=args.save_every, device=args.device, threads=args.threads_train,
         )
 
@@ -181,9 +182,16 @@ def build_model(cfg: TrainConfig, work: Path, device) -> Eagle3Drafter:
     draft_ids = torch.as_tensor(load_vocab(work / "vocab.safetensors"))
     dcfg = DrafterConfig.from_target(tcfg, len(draft_ids), cfg.aux_layers)
     torch.manual_seed(cfg.seed)
-    model = Eagle3Drafter(dcfg)
-    model.set_vocab(draft_ids)
-    init_from_target(model, cfg.target, mode=cfg.init)
+    if cfg.init in ("target", "random"):
+        model = Eagle3Drafter(dcfg)
+        model.set_vocab(draft_ids)
+        init_from_target(model, cfg.target, mode=cfg.init)
+        return model.to(device)
+    _, embed, _, _ = load_target_head(cfg.target)
+    model = Eagle3Drafter.load_checkpoint(cfg.init, embed_weight=embed)
+    if model.cfg.aux_layers != dcfg.aux_layers or not torch.equal(model.draft_ids, draft_ids.long()):
+        raise ValueError(f"--init {cfg.init}: its auxiliary layers {model.cfg.aux_layers} or draft "
+                         f"vocabulary differ from this run's ({dcfg.aux_layers}, vocab.safetensors)")
     return model.to(device)
 
 
@@ -319,6 +327,10 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
                     break
                 if cfg.max_hours and (state["train_seconds"] - secs_at_start) > cfg.max_hours * 3600:
                     log(f"[train] time budget of {cfg.max_hours} h reached")
+                    stop = True
+                    break
+                if cfg.deadline is not None and time.time() >= cfg.deadline:
+                    log(f"[train] --max-minutes reached at step {state['step']}/{total}")
                     stop = True
                     break
             else:

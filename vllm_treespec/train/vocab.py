@@ -139,6 +139,20 @@ def build_vocab_from_shards(data_dir: Path, vocab_size: int, size: int, out_path
     return info
 
 
+def copy_vocab_of_head(head_dir: str | Path, out_path: Path) -> dict:
+    """The draft vocabulary of an exported head, as this stage's file (for
+    training that continues from the head)."""
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    with safe_open(str(Path(head_dir) / "model.safetensors"), "np") as f:  # weights are bf16
+        d2t = f.get_tensor("d2t").astype(np.int64)
+    ids = np.arange(len(d2t), dtype=np.int64) + d2t
+    info = {"size": len(ids), "from_head": str(head_dir)}
+    save_file({"draft_ids": ids}, str(out_path), metadata={"info": json.dumps(info)})
+    return info
+
+
 def load_vocab(path: Path) -> np.ndarray:
     from safetensors.numpy import load_file
 
