@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-drafter": ("vllm_treespec.train.cli", "distill an EAGLE-3 drafter for a Llama target"),
     "demo": ("vllm_treespec.demo", "serve SmolLM2 with eagle3_tree on the CPU and compare speeds"),
     "bench": ("vllm_treespec.bench", "side-by-side serving benchmarks (pangu240 protocol)"),
+    "soak": ("vllm_treespec.bench.soak", "bounded load with faults and bad input, trees vs plain"),
     "npu-check": ("vllm_treespec.npu_check", "validate the Ascend tree attention on an NPU (or --emulate)"),
 }
 

@@ -1,0 +1,59 @@
+"""The soak's request mix and its verdict on one result (no server needed)."""
+
+from collections import Counter
+
+from vllm_treespec.bench.soak_mix import COMPLETIONS, SoakResult, build_mix
+
+POOL = list(range(100, 4000))
+TEXTS = ["Write a haiku.", "Explain recursion.", "def add(a, b):"]
+
+
+def test_mix_is_seeded_and_covers_every_kind():
+    a = build_mix(600, 7, "m", TEXTS, POOL, 1024)
+    b = build_mix(600, 7, "m", TEXTS, POOL, 1024)
+    assert [(r.kind, r.body) for r in a] == [(r.kind, r.body) for r in b]
+    assert [r.body for r in build_mix(600, 8, "m", TEXTS, POOL, 1024)] != [r.body for r in a]
+    kinds = Counter(r.kind.split(":")[0] for r in a)
+    assert set(kinds) == {"chat", "completion", "fallback", "abort", "invalid"}
+    assert len({r.kind for r in a if r.kind.startswith("invalid")}) == 5
+    assert len({r.kind for r in a if r.kind.startswith("fallback")}) == 4
+    assert any(r.stream for r in a) and any(not r.stream for r in a if r.expect == "ok")
+    bodies = [r.body for r in a if isinstance(r.body, dict)]
+    assert any(b.get("n") == 4 for b in bodies) and any("stop" in b for b in bodies)
+    assert any("logprobs" in b for b in bodies) and any(b.get("max_tokens") == 1 for b in bodies)
+    assert max(b["max_tokens"] for b in bodies if b.get("max_tokens", 0) > 0) > 128
+
+
+def test_valid_token_prompts_fit_the_model_and_the_long_invalid_one_does_not():
+    for r in build_mix(600, 3, "m", TEXTS, POOL, 1024):
+        if r.path != COMPLETIONS or not isinstance(r.body["prompt"], list):
+            continue
+        total = len(r.body["prompt"]) + r.body["max_tokens"]
+        if r.expect == "4xx":
+            assert len(r.body["prompt"]) > 1024
+        else:
+            assert total <= 1024 and len(r.body["prompt"]) >= 1
+
+
+def test_verdicts():
+    ok = SoakResult(0, "chat", "ok", status=200, texts=["hi"], completion_tokens=1)
+    assert ok.violation == ""
+    assert "no tokens" in SoakResult(0, "chat", "ok", status=200).violation
+    assert "HTTP 500" in SoakResult(0, "chat", "ok", status=500).violation
+    assert "failed" in SoakResult(0, "chat", "ok", status=None, error="reset").violation
+    bad_input = SoakResult(1, "invalid:x", "4xx", status=400, error='{"message": "max_tokens"}')
+    assert bad_input.violation == ""
+    assert "not a 4xx" in SoakResult(1, "invalid:x", "4xx", status=200).violation
+    assert "without an error message" in SoakResult(1, "invalid:x", "4xx", status=422,
+                                                    error="{}").violation
+    assert SoakResult(2, "abort", "abort", status=200, aborted=True).violation == ""
+    assert "HTTP 503" in SoakResult(2, "abort", "abort", status=503).violation
+
+
+def test_min_p_and_logit_bias_are_expected_refused_with_speculation():
+    mix = build_mix(600, 7, "m", TEXTS, POOL, 1024)
+    refused = [r for r in mix if r.kind in ("fallback:min_p", "fallback:logit_bias")]
+    assert refused and all(r.expect_on(False) == "ok" and r.expect_on(True) == "4xx"
+                           for r in refused)
+    others = [r for r in mix if r not in refused]
+    assert all(r.expect_on(True) == r.expect for r in others)

@@ -1,0 +1,267 @@
+"""`vllm-treespec soak`: a bounded, seeded load with faults and bad input against
+`vllm-treespec serve` with `eagle3_tree`, next to plain vLLM.
+
+    vllm-treespec soak --requests 200 --out DIR
+
+Starts a plain server and one server per tree setting (``--trees``: ``adaptive``
+= the defaults, ``fixed`` = a branching tree on every step, adaptive off), each
+on 127.0.0.1 with a KV cache of ``--kv-tokens`` tokens so that requests get
+preempted, ``validate_invariants`` on. Each server then gets, in order:
+
+1. the *quiet* greedy subset, one request at a time;
+2. a warm-up burst, after which the server's resident memory (all its processes)
+   is the baseline;
+3. the load: ``--requests`` requests of the mix in ``soak_mix`` at up to
+   ``--concurrency`` in flight (the plain server runs it twice, to measure how
+   often vLLM's own batch-dependent numerics change a greedy answer);
+4. the quiet subset again, ``/health``, resident memory, ``/metrics``.
+
+It fails (exit 1) on any violation: a valid request that does not complete, an
+invalid one without a 4xx and a message, any 5xx, a dead server, a quiet answer
+that differs from plain vLLM's, an invariant dump in a server log, resident
+memory more than 10 % above the baseline, or a greedy mismatch rate under load
+significantly above plain-vs-plain (one-sided Fisher exact test, p < 0.01).
+Writes DIR/soak.json, DIR/soak.md and each server's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from vllm_treespec.bench.server import Server, metric_sum
+from vllm_treespec.bench.soak_mix import CHAT, SoakRequest, build_mix, run_load
+
+TREES = {
+    "adaptive": {"validate_invariants": True},
+    "fixed": {"validate_invariants": True, "adaptive": False, "num_nodes": 8, "depth": 3,
+              "top_k": 2},
+}
+BLOCK_SIZE = 128  # the CPU backend's
+RSS_GROWTH_LIMIT = 1.10
+MISMATCH_P_VALUE = 0.01
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm-treespec soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=600)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trees", default="adaptive,fixed", help=f"comma list of {', '.join(TREES)}")
+    p.add_argument("--out", required=True, help="results directory")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size (tokens)")
+    p.add_argument("--quiet", type=int, default=8, help="greedy requests sent alone")
+    p.add_argument("--quiet-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=32, help="requests of the warm-up burst")
+    p.add_argument("--max-tokens-cap", type=int, default=512,
+                   help="upper bound of the mix's max_tokens (a shorter soak)")
+    return p
+
+
+def resident_bytes(pid: int) -> int:
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def healthy(base_url: str) -> bool:
+    try:
+        return urllib.request.urlopen(base_url + "/health", timeout=30).status == 200
+    except OSError:
+        return False
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if len(values) < 2:
+        return round(values[0] * 1e3, 1) if values else None
+    return round(statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3, 1)
+
+
+def load_stats(results, wall_s: float) -> dict:
+    ok = [r for r in results if r.expect == "ok" and not r.violation]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpot = [(r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
+            for r in ok if r.ttft_s is not None and r.completion_tokens > 1]
+    tokens = sum(r.completion_tokens for r in results)
+    return {"wall_s": round(wall_s, 1), "tok_s": round(tokens / wall_s, 1),
+            "completion_tokens": tokens,
+            "ttft_ms": {f"p{q}": _pct(ttft, q) for q in (50, 90, 99)},
+            "tpot_ms": {f"p{q}": _pct(tpot, q) for q in (50, 90, 99)}}
+
+
+@dataclasses.dataclass
+class ServerRun:
+    name: str
+    quiet_before: list
+    quiet_after: list
+    loads: list  # one list of SoakResult per pass
+    load_walls: list
+    rss_warm: int
+    rss_end: int
+    healthy_end: bool
+    metrics: dict
+    dumps: int
+
+
+def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
+                drafter: str) -> ServerRun:
+    serve_args = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
+                  "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(args.concurrency),
+                  "--num-gpu-blocks-override", str(-(-args.kv_tokens // BLOCK_SIZE))]
+    spec = {"method": "eagle3_tree", "model": drafter, **tree} if tree is not None else None
+    log = out / f"server-{name}.log"
+    # The KV cache is the blocks override; the space setting only keeps vLLM's CPU
+    # backend from reserving most of the machine's memory.
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    with Server(model, serve_args, spec, log, served_name="soak", env=env) as server:
+        url = server.base_url
+        spec_on = tree is not None
+        quiet_before = asyncio.run(run_load(url, quiet, 1))
+        asyncio.run(run_load(url, warm, args.concurrency, spec_on))
+        rss_warm = resident_bytes(server.proc.pid)
+        loads, walls = [], []
+        for _ in range(2 if tree is None else 1):
+            t0 = time.perf_counter()
+            loads.append(asyncio.run(run_load(url, mix, args.concurrency, spec_on)))
+            walls.append(time.perf_counter() - t0)
+        quiet_after = asyncio.run(run_load(url, quiet, 1))
+        alive = healthy(url)
+        rss_end = resident_bytes(server.proc.pid)
+        metrics = server.metrics() if alive else {}
+    return ServerRun(name, quiet_before, quiet_after, loads, walls, rss_warm, rss_end, alive,
+                     metrics, dumps=log.read_text().count("batch dumped to"))
+
+
+def greedy_mismatches(mix: list[SoakRequest], a, b) -> tuple[int, int]:
+    """(differing, compared) greedy answers between two passes of the same mix."""
+    pairs = [(x, y) for req, x, y in zip(mix, a, b)
+             if req.greedy and x.expect == y.expect == "ok" and not x.violation
+             and not y.violation]
+    return sum(x.texts != y.texts for x, y in pairs), len(pairs)
+
+
+def check(runs: dict[str, ServerRun], mix: list[SoakRequest]) -> tuple[dict, list[str]]:
+    from scipy.stats import fisher_exact
+
+    plain = runs["plain"]
+    summary, violations = {}, []
+    base_diff, base_n = greedy_mismatches(mix, plain.loads[0], plain.loads[1])
+    for name, run in runs.items():
+        bad = [(r.index, r.kind, r.violation) for load in run.loads for r in load if r.violation]
+        violations += [f"{name}: request {i} ({kind}): {why}" for i, kind, why in bad]
+        for label, quiet in (("before", run.quiet_before), ("after", run.quiet_after)):
+            same = sum(q.texts == p.texts for q, p in zip(quiet, plain.quiet_before))
+            if same != len(quiet):
+                violations.append(f"{name}: quiet greedy subset {label} the load: "
+                                  f"{len(quiet) - same} of {len(quiet)} differ from plain vLLM")
+        if not run.healthy_end:
+            violations.append(f"{name}: /health failed after the load")
+        if run.dumps:
+            violations.append(f"{name}: {run.dumps} tree invariant dump(s) in the log")
+        growth = run.rss_end / max(1, run.rss_warm)
+        if growth > RSS_GROWTH_LIMIT:
+            violations.append(f"{name}: resident memory grew {growth:.2f}x after warm-up")
+        entry = {
+            "violations": len(bad),
+            "requests": {k: sum(r.kind.split(":")[0] == k for r in run.loads[0])
+                         for k in ("chat", "completion", "fallback", "abort", "invalid")},
+            "aborted": sum(r.aborted for r in run.loads[0]),
+            "rss_mb": {"after_warmup": run.rss_warm >> 20, "end": run.rss_end >> 20,
+                       "growth": round(growth, 3)},
+            "preemptions": metric_sum(run.metrics, "vllm:num_preemptions_total"),
+            "trees": metric_sum(run.metrics, "vllm_treespec:trees_total"),
+            "draft_faults": metric_sum(run.metrics, "vllm_treespec:draft_faults_total"),
+            "invariant_dumps": run.dumps,
+            "load": [load_stats(load, wall) for load, wall in zip(run.loads, run.load_walls)],
+        }
+        if name != "plain":
+            diff, n = greedy_mismatches(mix, plain.loads[0], run.loads[0])
+            p = fisher_exact([[diff, n - diff], [base_diff, base_n - base_diff]],
+                             alternative="greater").pvalue
+            entry["greedy_under_load"] = {"differ_vs_plain": diff, "compared": n,
+                                          "plain_vs_plain": base_diff, "plain_compared": base_n,
+                                          "p_value": round(float(p), 4)}
+            if p < MISMATCH_P_VALUE:
+                violations.append(f"{name}: {diff}/{n} greedy answers under load differ from "
+                                  f"plain, against {base_diff}/{base_n} plain vs plain (p={p:.4f})")
+        summary[name] = entry
+    return summary, violations
+
+
+def markdown(summary: dict, violations: list[str], args) -> str:
+    lines = [f"# Soak: {args.requests} requests, concurrency {args.concurrency}, "
+             f"KV cache {args.kv_tokens} tokens, seed {args.seed}", "",
+             "| server | violations | preemptions | trees | RSS growth | tok/s | TTFT p50/p99 ms "
+             "| TPOT p50/p99 ms | greedy under load differ (plain vs plain) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in summary.items():
+        load = s["load"][0]
+        g = s.get("greedy_under_load")
+        greedy = (f"{g['differ_vs_plain']}/{g['compared']} ({g['plain_vs_plain']}/"
+                  f"{g['plain_compared']}, p={g['p_value']})" if g else "–")
+        lines.append(f"| {name} | {s['violations']} | {s['preemptions']:.0f} | {s['trees']:.0f} | "
+                     f"{s['rss_mb']['growth']} | {load['tok_s']} | {load['ttft_ms']['p50']} / "
+                     f"{load['ttft_ms']['p99']} | {load['tpot_ms']['p50']} / "
+                     f"{load['tpot_ms']['p99']} | {greedy} |")
+    lines += ["", f"**{'PASS' if not violations else 'FAIL'}**: {len(violations)} violation(s)"]
+    lines += [f"- {v}" for v in violations[:50]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    trees = [t for t in args.trees.split(",") if t]
+    unknown = [t for t in trees if t not in TREES]
+    if unknown:
+        raise SystemExit(f"--trees: unknown {unknown}; choose from {list(TREES)}")
+    from transformers import AutoTokenizer
+
+    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.bench import pangu240
+
+    assets = ensure_assets()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    texts = [t.messages[-1]["content"] for t in pangu240.build_turns() if t.depends_on is None]
+    pool = AutoTokenizer.from_pretrained(assets.target)("\n\n".join(texts))["input_ids"]
+    mix = build_mix(args.requests, args.seed, "soak", texts, pool, args.max_model_len,
+                    max_tokens_cap=args.max_tokens_cap)
+    warm = [r for r in build_mix(args.warmup, args.seed + 1, "soak", texts, pool,
+                                 args.max_model_len, max_tokens_cap=args.max_tokens_cap)
+            if r.expect == "ok"]
+    quiet = [SoakRequest(i, "quiet", CHAT, {"model": "soak", "temperature": 0,
+                                            "max_tokens": args.quiet_tokens,
+                                            "messages": [{"role": "user", "content": text}]},
+                         stream=False, expect="ok") for i, text in enumerate(texts[:args.quiet])]
+    runs = {}
+    for name, tree in [("plain", None)] + [(t, TREES[t]) for t in trees]:
+        print(f"[soak] {name}: serving and loading", flush=True)
+        runs[name] = soak_server(name, tree, args, str(assets.target), quiet, warm, mix, out,
+                                 str(assets.drafter))
+    summary, violations = check(runs, mix)
+    result = {"args": vars(args), "servers": summary, "violations": violations}
+    (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = markdown(summary, violations, args)
+    (out / "soak.md").write_text(md)
+    print(md)
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

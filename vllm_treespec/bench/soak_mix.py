@@ -1,0 +1,249 @@
+"""The soak's seeded request mix, and an HTTP client that sends one request of it.
+
+A request is a plain record (``SoakRequest``): where it goes, its body, whether
+it streams, when the client walks away from it, and what the server owes it:
+``ok`` (a complete answer), ``4xx`` (an error with a message) or ``abort`` (the
+client left; the server must just keep serving). The same seed gives the same
+mix, so every server of a soak sees the same requests in the same order.
+
+No vLLM import here (aiohttp, numpy-free): the mix is testable without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+# Requests trees do not reproduce token for token; the tree path must hand them to
+# plain decoding (README, "Sampling").
+FALLBACK_OPTIONS = (
+    ("min_p", {"min_p": 0.05, "temperature": 0.8}),
+    ("logit_bias", {"logit_bias": {"13": 5.0}}),
+    ("structured_choice", {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
+    ("bad_words", {"bad_words": ["the"]}),
+)
+# vLLM 0.27.1 refuses these with any speculative method (HTTP 400, its own check).
+REFUSED_WITH_SPECULATION = ("fallback:min_p", "fallback:logit_bias")
+
+
+@dataclasses.dataclass
+class SoakRequest:
+    index: int
+    kind: str
+    path: str
+    body: dict[str, Any] | bytes  # bytes: sent as is (malformed JSON)
+    stream: bool
+    expect: str  # "ok" | "4xx" | "abort"
+    abort_after: int | None = None  # data chunks read before the client disconnects
+
+    def expect_on(self, speculative: bool) -> str:
+        return "4xx" if speculative and self.kind in REFUSED_WITH_SPECULATION else self.expect
+
+    @property
+    def greedy(self) -> bool:
+        """Comparable token for token with another server."""
+        return (self.expect == "ok" and isinstance(self.body, dict)
+                and self.body.get("temperature") == 0 and self.body.get("n", 1) == 1)
+
+
+@dataclasses.dataclass
+class SoakResult:
+    index: int
+    kind: str
+    expect: str
+    status: int | None = None  # None: no HTTP status (connection failed, or aborted early)
+    error: str = ""
+    texts: list[str] = dataclasses.field(default_factory=list)
+    completion_tokens: int = 0
+    e2e_s: float = 0.0
+    ttft_s: float | None = None
+    aborted: bool = False
+
+    @property
+    def violation(self) -> str:
+        """Why this result breaks the soak's promises ('' when it keeps them)."""
+        if self.status is not None and self.status >= 500:
+            return f"HTTP {self.status}: {self.error[:200]}"
+        if self.expect == "ok":
+            if self.status != 200:
+                return f"valid request failed: HTTP {self.status} {self.error[:200]}"
+            if not self.texts or self.completion_tokens < 1:
+                return "valid request returned no tokens"
+        if self.expect == "4xx":
+            if self.status is None or not 400 <= self.status < 500:
+                return f"invalid request got HTTP {self.status}, not a 4xx"
+            if "message" not in self.error:
+                return "4xx without an error message"
+        if self.expect == "abort" and self.status not in (None, 200):
+            return f"aborted request got HTTP {self.status}: {self.error[:200]}"
+        return ""
+
+
+def _max_tokens(rng: random.Random, room: int, cap: int) -> int:
+    r = rng.random()
+    n = (1 if r < 0.05 else rng.randint(2, 32) if r < 0.5 else rng.randint(33, 128) if r < 0.9
+         else rng.randint(129, 512))
+    return max(1, min(n, room, cap))
+
+
+def _sampling(rng: random.Random, greedy_share: float) -> dict[str, Any]:
+    if rng.random() < greedy_share:
+        return {"temperature": 0}
+    out: dict[str, Any] = {"temperature": rng.choice([0.7, 1.0]), "n": rng.choice([1, 1, 2, 4])}
+    if rng.random() < 0.5:
+        out["top_p"] = 0.9
+    if rng.random() < 0.5:
+        out["top_k"] = 20
+    if rng.random() < 0.3:
+        out["seed"] = rng.randrange(1 << 20)
+    return out
+
+
+def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[int],
+              max_model_len: int, greedy_share: float = 0.5,
+              max_tokens_cap: int = 512) -> list[SoakRequest]:
+    """``n`` seeded requests: chat and completions, streaming or not, greedy or
+    sampled (top-p/top-k, n up to 4, seeds), stop strings, logprobs, max_tokens
+    1..512 (at most ``max_tokens_cap``), prompts from 1 token to near
+    ``max_model_len`` (token-id prompts cut from ``token_pool``), requests that
+    need the non-tree fallback, client aborts mid-stream, and invalid requests."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        r = rng.random()
+        kind = ("invalid" if r < 0.08 else "abort" if r < 0.16 else "fallback" if r < 0.26
+                else "completion" if r < 0.58 else "chat")
+        if kind == "invalid":
+            out.append(_invalid(i, rng, model, token_pool, max_model_len))
+            continue
+        stream = kind == "abort" or rng.random() < 0.5
+        body: dict[str, Any] = {"model": model, **_sampling(rng, greedy_share)}
+        if kind == "completion":
+            length = rng.choice([1, rng.randint(2, 64), rng.randint(65, 400),
+                                 max_model_len - rng.randint(8, 40)])
+            start = rng.randrange(max(1, len(token_pool) - length))
+            body["prompt"] = (token_pool[start:start + length] if rng.random() < 0.5 or length > 400
+                              else rng.choice(texts))
+            room = max_model_len - (length if isinstance(body["prompt"], list) else 512)
+            path = COMPLETIONS
+        else:
+            body["messages"] = [{"role": "user", "content": rng.choice(texts)}]
+            room, path = max_model_len - 512, CHAT
+        body["max_tokens"] = _max_tokens(rng, room, max_tokens_cap)
+        if rng.random() < 0.2:
+            body["stop"] = rng.choice([["\n\n"], ["."], ["def ", "\n\n\n"]])
+        if rng.random() < 0.2:
+            body.update({"logprobs": True, "top_logprobs": 2} if path == CHAT else {"logprobs": 2})
+        if kind == "fallback":
+            name, extra = rng.choice(FALLBACK_OPTIONS)
+            kind = f"fallback:{name}"
+            body.update(extra)
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        out.append(SoakRequest(i, kind, path, body, stream,
+                               expect="abort" if kind == "abort" else "ok",
+                               abort_after=rng.randint(1, 8) if kind == "abort" else None))
+    return out
+
+
+def _invalid(i: int, rng: random.Random, model: str, token_pool: list[int],
+             max_model_len: int) -> SoakRequest:
+    base = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
+    sub = rng.choice(["negative_max_tokens", "prompt_too_long", "unknown_model",
+                      "malformed_json", "wrong_type"])
+    path, body = CHAT, dict(base)
+    if sub == "negative_max_tokens":
+        body["max_tokens"] = -5
+    elif sub == "prompt_too_long":
+        path = COMPLETIONS
+        body = {"model": model, "max_tokens": 8,
+                "prompt": (token_pool * 2)[: max_model_len + 16]}
+    elif sub == "unknown_model":
+        body["model"] = "no-such-model"
+    elif sub == "malformed_json":
+        body = b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
+    else:
+        body["temperature"] = "hot"
+    return SoakRequest(i, f"invalid:{sub}", path, body, False, expect="4xx")
+
+
+async def send(session, base_url: str, req: SoakRequest, speculative: bool = False,
+               timeout_s: float = 900) -> SoakResult:
+    """One request; never raises (a transport error is recorded as the result)."""
+    import aiohttp
+
+    res = SoakResult(req.index, req.kind, req.expect_on(speculative))
+    t0 = time.perf_counter()
+    data = req.body if isinstance(req.body, bytes) else json.dumps(req.body).encode()
+    try:
+        async with session.post(base_url + req.path, data=data,
+                                headers={"Content-Type": "application/json"},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            res.status = resp.status
+            if resp.status != 200:
+                res.error = await resp.text()
+            elif req.stream:
+                await _read_stream(resp, req, res, t0)
+            else:
+                payload = await resp.json()
+                res.texts = _texts(payload["choices"])
+                res.completion_tokens = payload.get("usage", {}).get("completion_tokens", 0)
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, KeyError) as e:
+        res.status, res.error = None, f"{type(e).__name__}: {e}"
+    res.e2e_s = time.perf_counter() - t0
+    return res
+
+
+async def _read_stream(resp, req: SoakRequest, res: SoakResult, t0: float) -> None:
+    pieces: dict[int, list[str]] = {}
+    chunks = 0
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:  # an error after the 200 header is a server failure
+            res.status, res.error = 500, json.dumps(chunk["error"])
+            return
+        chunks += 1
+        for choice in chunk.get("choices", []):
+            piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if piece and res.ttft_s is None:
+                res.ttft_s = time.perf_counter() - t0
+            pieces.setdefault(choice["index"], []).append(piece)
+        if chunk.get("usage"):
+            res.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+        if req.abort_after is not None and chunks >= req.abort_after:
+            res.aborted = True
+            resp.close()
+            return
+    res.texts = ["".join(pieces[k]) for k in sorted(pieces)]
+
+
+def _texts(choices: list[dict]) -> list[str]:
+    return [c.get("text") if "text" in c else (c.get("message") or {}).get("content") or ""
+            for c in sorted(choices, key=lambda c: c["index"])]
+
+
+async def run_load(base_url: str, requests: list[SoakRequest], concurrency: int,
+                   speculative: bool = False) -> list[SoakResult]:
+    """All ``requests`` with at most ``concurrency`` in flight, results in order."""
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def one(req):
+            async with sem:
+                return await send(session, base_url, req, speculative)
+        return list(await asyncio.gather(*(one(r) for r in requests)))
