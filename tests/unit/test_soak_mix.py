@@ -57,3 +57,11 @@ def test_min_p_and_logit_bias_are_expected_refused_with_speculation():
                            for r in refused)
     others = [r for r in mix if r not in refused]
     assert all(r.expect_on(True) == r.expect for r in others)
+
+
+def test_a_short_mix_still_holds_every_kind():
+    # The CI soak sends 32 requests: it must still abort and send bad input.
+    for seed in range(20):
+        for n in (5, 8, 32):
+            kinds = Counter(r.kind.split(":")[0] for r in build_mix(n, seed, "m", TEXTS, POOL, 1024))
+            assert set(kinds) == {"chat", "completion", "fallback", "abort", "invalid"}, (seed, n)

@@ -116,10 +116,7 @@ def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[
     need the non-tree fallback, client aborts mid-stream, and invalid requests."""
     rng = random.Random(seed)
     out = []
-    for i in range(n):
-        r = rng.random()
-        kind = ("invalid" if r < 0.08 else "abort" if r < 0.16 else "fallback" if r < 0.26
-                else "completion" if r < 0.58 else "chat")
+    for i, kind in enumerate(_kinds(n, rng)):
         if kind == "invalid":
             out.append(_invalid(i, rng, model, token_pool, max_model_len))
             continue
@@ -151,6 +148,22 @@ def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[
                                expect="abort" if kind == "abort" else "ok",
                                abort_after=rng.randint(1, 8) if kind == "abort" else None))
     return out
+
+
+KINDS = ("invalid", "abort", "fallback", "completion", "chat")
+_KIND_SHARES = (0.08, 0.08, 0.10, 0.32, 0.42)
+
+
+def _kinds(n: int, rng: random.Random) -> list[str]:
+    """Seeded kinds in their shares; a mix of at least ``len(KINDS)`` requests holds
+    every kind (a short soak must still abort and send bad input)."""
+    kinds = rng.choices(KINDS, weights=_KIND_SHARES, k=n)
+    for kind in KINDS if n >= len(KINDS) else ():
+        if kind not in kinds:
+            # Take the slot from the most common kind, so the others keep theirs.
+            most = max(KINDS, key=kinds.count)
+            kinds[rng.choice([i for i, k in enumerate(kinds) if k == most])] = kind
+    return kinds
 
 
 def _invalid(i: int, rng: random.Random, model: str, token_pool: list[int],
