@@ -29,7 +29,18 @@ from typing import Any
 
 import torch
 
-from vllm_treespec.attention import ascend as tree_npu
+from vllm_treespec.attention.ascend.buffers import TreeAttentionBuffers
+from vllm_treespec.attention.ascend.calls import causal_paged_call, compressed_causal_mask
+from vllm_treespec.attention.ascend.constants import ASCEND_BLOCK_SIZE, TREE_SPARSE, VARIANTS
+from vllm_treespec.attention.ascend.execute import run_tree_verify
+from vllm_treespec.attention.ascend.graphs import capture_issuer, update_captured
+from vllm_treespec.attention.ascend.plans import plan_tree_rows, plan_uniform_batch
+from vllm_treespec.attention.ascend.synthetic import (
+    buffers_for,
+    make_verify_batch,
+    probe_tree_sparse,
+    verify_with,
+)
 
 _TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -63,26 +74,26 @@ def _batches(args, device, dtype):
              (["causal", "tree", "tree"], False)]
     if args.quick:
         specs = specs[:2]
-    return [tree_npu.make_verify_batch(100 + i, kinds, T, H, KVH, D, dtype=dtype, device=device,
-                                       max_ctx=args.max_ctx, full_trees=full)
+    return [make_verify_batch(100 + i, kinds, T, H, KVH, D, dtype=dtype, device=device,
+                              max_ctx=args.max_ctx, full_trees=full)
             for i, (kinds, full) in enumerate(specs)]
 
 
 def check_numerics(report: Report, ops, args, device, dtype) -> None:
     tol = _TOL[dtype]
     batches = _batches(args, device, dtype)
-    for variant in tree_npu.VARIANTS:
+    for variant in VARIANTS:
         worst, failure = 0.0, None
         for batch in batches:
             try:
-                out = tree_npu.verify_with(ops, variant, batch)
+                out = verify_with(ops, variant, batch)
             except Exception as err:  # report, keep checking the other variants
                 failure = f"{type(err).__name__}: {err}"
                 break
             ref = batch.reference_output()
             rows = torch.arange(batch.query.shape[0], device=batch.query.device)
             worst = max(worst, _max_err(out, ref, rows))
-        required = variant != tree_npu.TREE_SPARSE  # C is probe-gated in the backend
+        required = variant != TREE_SPARSE  # C is probe-gated in the backend
         if failure:
             report.add(f"numerics/{variant}", False, failure, required)
         else:
@@ -92,34 +103,34 @@ def check_numerics(report: Report, ops, args, device, dtype) -> None:
 
 
 def check_chain(report: Report, ops, args, device, dtype) -> None:
-    batch = tree_npu.make_verify_batch(7, ["chain", "chain", "causal", "chain"], args.tree_size,
-                                       args.heads, args.kv_heads, args.head_size, dtype=dtype,
-                                       device=device, max_ctx=args.max_ctx)
+    batch = make_verify_batch(7, ["chain", "chain", "causal", "chain"], args.tree_size,
+                              args.heads, args.kv_heads, args.head_size, dtype=dtype,
+                              device=device, max_ctx=args.max_ctx)
     h = batch.heads
-    stock, _ = tree_npu.causal_paged_call(batch.query, batch.key_cache, batch.value_cache,
-                                          batch.block_table, batch.cu_q_lens, batch.kv_lens,
-                                          tree_npu.compressed_causal_mask(device),
-                                          h.num_heads, h.num_kv_heads, h.scale)(ops)
-    plan = tree_npu.plan_tree_rows(batch.tree_rows)
-    for variant in tree_npu.VARIANTS:
+    stock, _ = causal_paged_call(batch.query, batch.key_cache, batch.value_cache,
+                                 batch.block_table, batch.cu_q_lens, batch.kv_lens,
+                                 compressed_causal_mask(device),
+                                 h.num_heads, h.num_kv_heads, h.scale)(ops)
+    plan = plan_tree_rows(batch.tree_rows)
+    for variant in VARIANTS:
         out = torch.zeros_like(batch.query)
         try:
-            tree_npu.run_tree_verify(ops, variant, plan, tree_npu.buffers_for(batch, plan),
-                                     batch.query, batch.key, batch.value, batch.key_cache,
-                                     batch.value_cache, h, out)
+            run_tree_verify(ops, variant, plan, buffers_for(batch, plan),
+                            batch.query, batch.key, batch.value, batch.key_cache,
+                            batch.value_cache, h, out)
         except Exception as err:
             report.add(f"chain==sparse_mode3/{variant}", False, f"{type(err).__name__}: {err}",
-                       variant != tree_npu.TREE_SPARSE)
+                       variant != TREE_SPARSE)
             continue
         err = _max_err(out, stock, plan.rows)
         report.add(f"chain==sparse_mode3/{variant}", err <= _TOL[dtype],
                    f"max abs err vs the stock causal call {err:.3g}",
-                   variant != tree_npu.TREE_SPARSE, max_abs_err=err)
+                   variant != TREE_SPARSE, max_abs_err=err)
 
 
 def check_probe(report: Report, ops, args, device, dtype) -> None:
-    res = tree_npu.probe_tree_sparse(ops, device, dtype, args.heads, args.kv_heads,
-                                     args.head_size, args.tree_size)
+    res = probe_tree_sparse(ops, device, dtype, args.heads, args.kv_heads,
+                            args.head_size, args.tree_size)
     report.add("probe/sparse_mode=9", res.ok,
                ("enabled: " if res.ok else "backend falls back to full_mask: ") + res.reason,
                required=False)
@@ -130,7 +141,7 @@ def check_graph(report: Report, args, device, dtype) -> None:
     lengths, new trees) through update_captured, as the backend does."""
     import torch_npu
 
-    for variant in tree_npu.VARIANTS:
+    for variant in VARIANTS:
         try:
             errs = _graph_roundtrip(torch_npu, variant, args, device, dtype)
         except Exception as err:
@@ -146,9 +157,9 @@ def check_graph(report: Report, args, device, dtype) -> None:
 def _graph_roundtrip(torch_npu, variant, args, device, dtype) -> list[float]:
     T, B = args.tree_size, 4
     heads = None
-    steps = [tree_npu.make_verify_batch(200 + s, ["tree"] * B, T, args.heads, args.kv_heads,
-                                        args.head_size, dtype=dtype, device=device,
-                                        max_ctx=args.max_ctx, full_trees=True)
+    steps = [make_verify_batch(200 + s, ["tree"] * B, T, args.heads, args.kv_heads,
+                               args.head_size, dtype=dtype, device=device,
+                               max_ctx=args.max_ctx, full_trees=True)
              for s in range(3)]
     # One static set of tensors (as a runner's persistent inputs), refilled per step.
     first = steps[0]
@@ -162,8 +173,8 @@ def _graph_roundtrip(torch_npu, variant, args, device, dtype) -> list[float]:
     key, value = torch.zeros_like(first.key), torch.zeros_like(first.value)
     table = torch.zeros(B, width, dtype=torch.int32, device=device)
     out = torch.zeros_like(first.query)
-    buffers = tree_npu.TreeAttentionBuffers(B, T, heads.num_heads, heads.num_kv_heads,
-                                            heads.head_size, dtype, device, width)
+    buffers = TreeAttentionBuffers(B, T, heads.num_heads, heads.num_kv_heads,
+                                   heads.head_size, dtype, device, width)
 
     def load(batch):
         k_cache.zero_()
@@ -177,28 +188,28 @@ def _graph_roundtrip(torch_npu, variant, args, device, dtype) -> list[float]:
         table[:, : batch.block_table.shape[1]].copy_(batch.block_table)
 
     def plan_for(batch, with_tree=True):
-        return tree_npu.plan_uniform_batch(T, batch.kv_lens, table, tree_npu.ASCEND_BLOCK_SIZE,
-                                           batch.tree_rows if with_tree else None)
+        return plan_uniform_batch(T, batch.kv_lens, table, ASCEND_BLOCK_SIZE,
+                                  batch.tree_rows if with_tree else None)
 
     load(first)
-    tree_npu.run_tree_verify(torch_npu, variant, plan_for(first), buffers, query, key, value,
-                             k_cache, v_cache, heads, out)  # warm-up, eager
+    run_tree_verify(torch_npu, variant, plan_for(first), buffers, query, key, value,
+                    k_cache, v_cache, heads, out)  # warm-up, eager
     records: list = []
     graph = torch.npu.NPUGraph()
     capture_plan = plan_for(first, with_tree=False)
     buffers.mark_written(capture_plan)
     with torch.npu.graph(graph):
-        tree_npu.run_tree_verify(torch_npu, variant, capture_plan, buffers, query, key, value,
-                                 k_cache, v_cache, heads, out,
-                                 issue=tree_npu.capture_issuer(torch_npu, torch.npu, records))
+        run_tree_verify(torch_npu, variant, capture_plan, buffers, query, key, value,
+                        k_cache, v_cache, heads, out,
+                        issue=capture_issuer(torch_npu, torch.npu, records))
     update_stream = torch.npu.Stream()
     errs = []
     for batch in steps:
         load(batch)
         plan = plan_for(batch)
         graph.replay()
-        tree_npu.update_captured(torch_npu, torch.npu, records, plan, buffers, variant,
-                                 update_stream, block_table=table)
+        update_captured(torch_npu, torch.npu, records, plan, buffers, variant,
+                        update_stream, block_table=table)
         torch.npu.synchronize()
         ref = batch.reference_output()
         errs.append(_max_err(out, ref, plan.rows))
@@ -213,20 +224,20 @@ def check_speed(report: Report, args, device, dtype) -> None:
     if args.quick:
         grid = grid[:2]
     for B, ctx in grid:
-        batch = tree_npu.make_verify_batch(300 + B, ["tree"] * B, args.tree_size, args.heads,
-                                           args.kv_heads, args.head_size, dtype=dtype,
-                                           device=device, max_ctx=ctx, full_trees=True)
-        plan = tree_npu.plan_tree_rows(batch.tree_rows)
-        buffers = tree_npu.buffers_for(batch, plan)
+        batch = make_verify_batch(300 + B, ["tree"] * B, args.tree_size, args.heads,
+                                  args.kv_heads, args.head_size, dtype=dtype,
+                                  device=device, max_ctx=ctx, full_trees=True)
+        plan = plan_tree_rows(batch.tree_rows)
+        buffers = buffers_for(batch, plan)
         h = batch.heads
-        causal = tree_npu.compressed_causal_mask(device)
+        causal = compressed_causal_mask(device)
         out = torch.empty_like(batch.query)
-        runs = {"stock_causal": lambda: tree_npu.causal_paged_call(
+        runs = {"stock_causal": lambda: causal_paged_call(
             batch.query, batch.key_cache, batch.value_cache, batch.block_table,
             batch.cu_q_lens, batch.kv_lens, causal, h.num_heads, h.num_kv_heads,
             h.scale)(torch_npu)}
-        for variant in tree_npu.VARIANTS:
-            runs[variant] = (lambda v=variant: tree_npu.run_tree_verify(
+        for variant in VARIANTS:
+            runs[variant] = (lambda v=variant: run_tree_verify(
                 torch_npu, v, plan, buffers, batch.query, batch.key, batch.value,
                 batch.key_cache, batch.value_cache, h, out))
         row = {"batch": B, "max_ctx": ctx, "tree_size": args.tree_size}

@@ -13,7 +13,8 @@ import torch
 torch_npu = pytest.importorskip("torch_npu")
 
 from vllm_treespec import npu_check  # noqa: E402
-from vllm_treespec.attention import ascend as A  # noqa: E402
+from vllm_treespec.attention.ascend.constants import FULL_MASK  # noqa: E402
+from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse  # noqa: E402
 
 DEVICE = "npu:0"
 
@@ -39,8 +40,8 @@ def test_required_variants_match_the_reference(args, dtype):
 
 
 def test_tree_sparse_probe_gives_a_verdict(args):
-    res = A.probe_tree_sparse(torch_npu, DEVICE, torch.bfloat16, args.heads, args.kv_heads,
-                              args.head_size, args.tree_size)
+    res = probe_tree_sparse(torch_npu, DEVICE, torch.bfloat16, args.heads, args.kv_heads,
+                            args.head_size, args.tree_size)
     # Either verdict is acceptable; it must come with a reason (logged at startup).
     assert res.reason
     if res.ok:
@@ -56,5 +57,5 @@ def test_tree_size_above_the_stock_limit_of_16(args):
 
 
 def test_acl_graph_replay_matches_eager(args):
-    errs = npu_check._graph_roundtrip(torch_npu, A.FULL_MASK, args, DEVICE, torch.bfloat16)
+    errs = npu_check._graph_roundtrip(torch_npu, FULL_MASK, args, DEVICE, torch.bfloat16)
     assert max(errs) <= 3e-2, errs

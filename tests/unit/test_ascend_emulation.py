@@ -14,7 +14,38 @@ import sys
 import pytest
 import torch
 
-from vllm_treespec.attention import ascend as A
+from vllm_treespec.attention.ascend.buffers import TreeAttentionBuffers
+from vllm_treespec.attention.ascend.calls import (
+    ATTENTION_UPDATE,
+    FIA_V2,
+    OpCall,
+    causal_paged_call,
+    compressed_causal_mask,
+    full_mask_call,
+    prefix_call,
+    tree_sparse_call,
+)
+from vllm_treespec.attention.ascend.constants import FULL_MASK, TREE_SPARSE, TWO_PASS, VARIANTS
+from vllm_treespec.attention.ascend.execute import run_draft_level, run_tree_verify
+from vllm_treespec.attention.ascend.graphs import capture_issuer, update_captured
+from vllm_treespec.attention.ascend.plans import (
+    check_plan_invariants,
+    pad_plan,
+    plan_tree_rows,
+    plan_uniform_batch,
+)
+from vllm_treespec.attention.ascend.settings import (
+    EXEC_MODE_ENV,
+    FULL_GRAPH_ENV,
+    VARIANT_ENV,
+    resolve_settings,
+)
+from vllm_treespec.attention.ascend.synthetic import (
+    buffers_for,
+    make_verify_batch,
+    probe_tree_sparse,
+    verify_with,
+)
 from vllm_treespec.attention.emulation import EmulatedTorchNPU, FIAContractError
 from vllm_treespec.attention.metadata import DraftTreeLevelMetadata
 from vllm_treespec.attention.reference import prefix_side_attention
@@ -37,60 +68,60 @@ def _err(a, b):
 
 
 # ------------------------------------------------------------------ equivalence
-@pytest.mark.parametrize("variant", A.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", range(3))
 def test_variants_match_reference_on_mixed_batches(ops, variant, case):
     H, KVH, D = HEADS[case]
-    batch = A.make_verify_batch(case, KINDS[case], tree_size=9, num_heads=H,
-                                num_kv_heads=KVH, head_size=D)
-    out = A.verify_with(ops, variant, batch)
+    batch = make_verify_batch(case, KINDS[case], tree_size=9, num_heads=H,
+                              num_kv_heads=KVH, head_size=D)
+    out = verify_with(ops, variant, batch)
     assert _err(out, batch.reference_output()) < 1e-5
 
 
-@pytest.mark.parametrize("variant", A.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_uniform_batch_runs_without_copies(ops, variant):
     # Every request has T query tokens back to back: the shape graphs capture.
-    batch = A.make_verify_batch(11, ["tree", "tree", "chain"], 7, 4, 2, 16, full_trees=True)
-    plan = A.plan_tree_rows(batch.tree_rows)
+    batch = make_verify_batch(11, ["tree", "tree", "chain"], 7, 4, 2, 16, full_trees=True)
+    plan = plan_tree_rows(batch.tree_rows)
     assert plan.uniform
-    out = A.verify_with(ops, variant, batch)
+    out = verify_with(ops, variant, batch)
     assert _err(out, batch.reference_output()) < 1e-5
 
 
-@pytest.mark.parametrize("variant", A.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_bfloat16(variant):
     ops = EmulatedTorchNPU(allow_float32=False)
-    batch = A.make_verify_batch(5, ["tree", "causal", "tree"], 9, 4, 2, 16,
-                                dtype=torch.bfloat16)
-    out = A.verify_with(ops, variant, batch)
+    batch = make_verify_batch(5, ["tree", "causal", "tree"], 9, 4, 2, 16,
+                              dtype=torch.bfloat16)
+    out = verify_with(ops, variant, batch)
     assert out.dtype == torch.bfloat16
     assert _err(out, batch.reference_output()) < 3e-2
 
 
-@pytest.mark.parametrize("variant", A.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_chain_tree_equals_todays_sparse_mode_3_call(ops, variant):
-    batch = A.make_verify_batch(3, ["chain", "chain", "causal"], 8, 4, 2, 16)
+    batch = make_verify_batch(3, ["chain", "chain", "causal"], 8, 4, 2, 16)
     h = batch.heads
-    stock, _ = A.causal_paged_call(batch.query, batch.key_cache, batch.value_cache,
-                                   batch.block_table, batch.cu_q_lens, batch.kv_lens,
-                                   A.compressed_causal_mask("cpu"), h.num_heads,
-                                   h.num_kv_heads, h.scale)(ops)
+    stock, _ = causal_paged_call(batch.query, batch.key_cache, batch.value_cache,
+                                 batch.block_table, batch.cu_q_lens, batch.kv_lens,
+                                 compressed_causal_mask("cpu"), h.num_heads,
+                                 h.num_kv_heads, h.scale)(ops)
     out = torch.full_like(batch.query, float("nan"))
-    plan = A.plan_tree_rows(batch.tree_rows)
-    A.run_tree_verify(ops, variant, plan, A.buffers_for(batch, plan), batch.query,
-                      batch.key, batch.value, batch.key_cache, batch.value_cache, h, out)
+    plan = plan_tree_rows(batch.tree_rows)
+    run_tree_verify(ops, variant, plan, buffers_for(batch, plan), batch.query,
+                    batch.key, batch.value, batch.key_cache, batch.value_cache, h, out)
     rows = plan.rows
     assert _err(out[rows], stock[rows]) < 1e-5
 
 
 def test_issued_calls_are_the_documented_ones(ops):
-    batch = A.make_verify_batch(2, ["tree", "causal", "tree"], 9, 4, 2, 16)
-    plan = A.plan_tree_rows(batch.tree_rows)
-    buffers = A.buffers_for(batch, plan)
-    for variant in A.VARIANTS:
-        A.run_tree_verify(ops, variant, plan, buffers, batch.query, batch.key, batch.value,
-                          batch.key_cache, batch.value_cache, batch.heads,
-                          torch.empty_like(batch.query))
+    batch = make_verify_batch(2, ["tree", "causal", "tree"], 9, 4, 2, 16)
+    plan = plan_tree_rows(batch.tree_rows)
+    buffers = buffers_for(batch, plan)
+    for variant in VARIANTS:
+        run_tree_verify(ops, variant, plan, buffers, batch.query, batch.key, batch.value,
+                        batch.key_cache, batch.value_cache, batch.heads,
+                        torch.empty_like(batch.query))
     fia = [c for c in ops.calls if c["op"].startswith("npu_fused")]
     a, b_prefix, b_tree, c = fia
     assert (a["layout"], a["sparse_mode"], a["paged"]) == ("BSND", 0, True)
@@ -100,9 +131,9 @@ def test_issued_calls_are_the_documented_ones(ops):
     assert b_prefix["kv_lens"] == plan.ctx_lens
     assert (b_tree["layout"], b_tree["paged"]) == ("BSND", False)
     assert b_tree["mask_shape"] == (2, 1, 9, 9)
-    assert (c["op"], c["layout"], c["sparse_mode"]) == (A.FIA_V2, "TND", 9)
+    assert (c["op"], c["layout"], c["sparse_mode"]) == (FIA_V2, "TND", 9)
     assert c["mask_shape"] == (sum(q * q for q in plan.q_lens),)
-    assert [x["op"] for x in ops.calls].count(A.ATTENTION_UPDATE) == 1
+    assert [x["op"] for x in ops.calls].count(ATTENTION_UPDATE) == 1
 
 
 # ------------------------------------------------------------- persistent mask
@@ -113,10 +144,10 @@ def test_full_mask_buffer_rewrites_only_tree_windows(ops):
     buffers = None
     for step, kinds in enumerate([["tree", "tree", "tree"], ["tree"], ["tree", "chain"],
                                   ["chain", "tree", "tree"]]):
-        batch = A.make_verify_batch(40 + step, kinds, 6, 2, 1, 16, max_ctx=400)
-        plan = A.plan_tree_rows(batch.tree_rows)
+        batch = make_verify_batch(40 + step, kinds, 6, 2, 1, 16, max_ctx=400)
+        plan = plan_tree_rows(batch.tree_rows)
         if buffers is None:
-            buffers = A.TreeAttentionBuffers(4, 6, 2, 1, 16, torch.float32, "cpu", 8)
+            buffers = TreeAttentionBuffers(4, 6, 2, 1, 16, torch.float32, "cpu", 8)
         table = torch.zeros(plan.batch_size, 8, dtype=torch.int32)
         table[:, : batch.block_table.shape[1]] = plan.block_table
         plan.block_table = table
@@ -132,16 +163,16 @@ def test_full_mask_buffer_rewrites_only_tree_windows(ops):
             assert torch.equal(got, expect), f"step {step} request {b}"
             assert not bool(mask[b, 0, :, ctx + 6:].any())
         out = torch.empty_like(batch.query)
-        A.run_tree_verify(ops, A.FULL_MASK, plan, buffers, batch.query, None, None,
-                          batch.key_cache, batch.value_cache, batch.heads, out)
+        run_tree_verify(ops, FULL_MASK, plan, buffers, batch.query, None, None,
+                        batch.key_cache, batch.value_cache, batch.heads, out)
         ref = batch.reference_output()
         assert _err(out[plan.rows], ref[plan.rows]) < 1e-5
 
 
 def test_masks_written_once_per_step(ops):
-    batch = A.make_verify_batch(8, ["tree", "tree"], 7, 2, 2, 16)
-    plan = A.plan_tree_rows(batch.tree_rows)
-    buffers = A.buffers_for(batch, plan)
+    batch = make_verify_batch(8, ["tree", "tree"], 7, 2, 2, 16)
+    plan = plan_tree_rows(batch.tree_rows)
+    buffers = buffers_for(batch, plan)
     first = buffers.full_mask(plan)
     first.fill_(7)  # a second layer must not rewrite it (same step)
     assert int(buffers.full_mask(plan).max()) == 7
@@ -149,7 +180,7 @@ def test_masks_written_once_per_step(ops):
 
 # ------------------------------------------------------------------ draft levels
 def test_draft_level_matches_prefix_side_reference(ops):
-    batch = A.make_verify_batch(9, ["causal", "causal", "causal"], 4, 4, 2, 16)
+    batch = make_verify_batch(9, ["causal", "causal", "causal"], 4, 4, 2, 16)
     B, F, cap, H, KVH, D = 3, 3, 8, 4, 2, 16
     gen = torch.Generator().manual_seed(0)
     prefix = torch.tensor([max(1, kv - 2) for kv in batch.kv_lens])
@@ -164,8 +195,8 @@ def test_draft_level_matches_prefix_side_reference(ops):
                                 side_mask=side_mask)
     q = torch.randn(B * F, H, D, generator=gen)
     out = torch.empty(B * F, H * D)
-    A.run_draft_level(ops, md, q, side_k, side_v, batch.key_cache, batch.value_cache,
-                      batch.heads, out)
+    run_draft_level(ops, md, q, side_k, side_v, batch.key_cache, batch.value_cache,
+                    batch.heads, out)
     hi = offset + F
     ref = prefix_side_attention(q.view(B, F, H, D), batch.key_cache, batch.value_cache,
                                 batch.block_table, 128, prefix, side_k[:, :hi],
@@ -175,13 +206,13 @@ def test_draft_level_matches_prefix_side_reference(ops):
 
 # ------------------------------------------------------- wrong arguments are caught
 def _a_call(batch):
-    plan = A.plan_tree_rows(batch.tree_rows)
-    buffers = A.buffers_for(batch, plan)
+    plan = plan_tree_rows(batch.tree_rows)
+    buffers = buffers_for(batch, plan)
     q = torch.index_select(batch.query, 0, plan.token_index.reshape(-1)).view(
         plan.batch_size, plan.tree_size, batch.heads.num_heads, -1)
     h = batch.heads
-    return plan, A.full_mask_call(plan, buffers, q, batch.key_cache, batch.value_cache,
-                                  h.num_heads, h.num_kv_heads, h.scale)
+    return plan, full_mask_call(plan, buffers, q, batch.key_cache, batch.value_cache,
+                                h.num_heads, h.num_kv_heads, h.scale)
 
 
 def _a_rows(plan, out):
@@ -190,7 +221,7 @@ def _a_rows(plan, out):
 
 @pytest.fixture
 def tree_batch():
-    return A.make_verify_batch(21, ["tree", "tree", "chain"], 9, 4, 2, 16)
+    return make_verify_batch(21, ["tree", "tree", "chain"], 9, 4, 2, 16)
 
 
 def test_correct_full_mask_call_matches(ops, tree_batch):
@@ -235,23 +266,23 @@ def test_sparse_mode_9_on_the_v1_api_is_rejected(ops, tree_batch):
 
 
 def test_tnd_with_a_user_mask_and_sparse_0_is_rejected(ops, tree_batch):
-    plan = A.plan_tree_rows(tree_batch.tree_rows)
+    plan = plan_tree_rows(tree_batch.tree_rows)
     h = tree_batch.heads
-    call = A.prefix_call(tree_batch.query.index_select(0, plan.rows), tree_batch.key_cache,
-                         tree_batch.value_cache, plan.block_table, plan.cu_q_lens,
-                         plan.kv_lens, h.num_heads, h.num_kv_heads, h.scale)
+    call = prefix_call(tree_batch.query.index_select(0, plan.rows), tree_batch.key_cache,
+                       tree_batch.value_cache, plan.block_table, plan.cu_q_lens,
+                       plan.kv_lens, h.num_heads, h.num_kv_heads, h.scale)
     with pytest.raises(FIAContractError, match="TND allows"):
-        call.with_kwargs(atten_mask=A.TreeAttentionBuffers(
+        call.with_kwargs(atten_mask=TreeAttentionBuffers(
             3, 9, 4, 2, 16, torch.float32, "cpu", plan.block_table.shape[1]).full_mask(plan))(ops)
 
 
 def test_inverted_tree_sparse_mask_is_rejected(ops, tree_batch):
-    plan = A.plan_tree_rows(tree_batch.tree_rows)
+    plan = plan_tree_rows(tree_batch.tree_rows)
     h = tree_batch.heads
-    call = A.tree_sparse_call(plan, A.buffers_for(tree_batch, plan),
-                              tree_batch.query.index_select(0, plan.rows),
-                              tree_batch.key_cache, tree_batch.value_cache,
-                              h.num_heads, h.num_kv_heads, h.scale)
+    call = tree_sparse_call(plan, buffers_for(tree_batch, plan),
+                            tree_batch.query.index_select(0, plan.rows),
+                            tree_batch.key_cache, tree_batch.value_cache,
+                            h.num_heads, h.num_kv_heads, h.scale)
     with pytest.raises(FIAContractError, match="diagonal"):
         call.with_kwargs(atten_mask=(1 - call.kwargs["atten_mask"]).contiguous())(ops)
 
@@ -261,10 +292,10 @@ def test_cumulative_kv_lengths_with_paged_kv_are_detected(ops, tree_batch):
     b = tree_batch
     h = b.heads
     import itertools
-    call = A.causal_paged_call(b.query, b.key_cache, b.value_cache, b.block_table,
-                               b.cu_q_lens, list(itertools.accumulate(b.kv_lens)),
-                               A.compressed_causal_mask("cpu"), h.num_heads,
-                               h.num_kv_heads, h.scale)
+    call = causal_paged_call(b.query, b.key_cache, b.value_cache, b.block_table,
+                             b.cu_q_lens, list(itertools.accumulate(b.kv_lens)),
+                             compressed_causal_mask("cpu"), h.num_heads,
+                             h.num_kv_heads, h.scale)
     try:
         out, _ = call(ops)
     except FIAContractError:
@@ -277,7 +308,7 @@ def test_non_contiguous_query_is_rejected(ops, tree_batch):
     q = call.args[0]
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     with pytest.raises(FIAContractError, match="contiguous"):
-        A.OpCall(call.op, (strided,) + call.args[1:], call.kwargs)(ops)
+        OpCall(call.op, (strided,) + call.args[1:], call.kwargs)(ops)
 
 
 def test_swapped_merge_inputs_are_detected(ops, tree_batch):
@@ -286,7 +317,7 @@ def test_swapped_merge_inputs_are_detected(ops, tree_batch):
         def npu_attention_update(self, lse, local_out, update_type):
             return super().npu_attention_update(list(lse)[::-1], local_out, update_type)
 
-    out = A.verify_with(Swapping(), A.TWO_PASS, tree_batch)
+    out = verify_with(Swapping(), TWO_PASS, tree_batch)
     assert _err(out, tree_batch.reference_output()) > 1e-2
 
 
@@ -332,8 +363,8 @@ def test_attention_update_merges_split_attention(ops):
 
 
 def test_plan_invariants(tree_batch):
-    plan = A.plan_tree_rows(tree_batch.tree_rows)
-    A.check_plan_invariants(plan, num_blocks=tree_batch.key_cache.shape[0])
+    plan = plan_tree_rows(tree_batch.tree_rows)
+    check_plan_invariants(plan, num_blocks=tree_batch.key_cache.shape[0])
     # pad nodes see only the root
     for b, q in enumerate(plan.q_lens):
         if q < plan.tree_size:
@@ -341,7 +372,7 @@ def test_plan_invariants(tree_batch):
             assert not bool(plan.intra_mask[b, q:, 1:].any())
     plan.intra_mask[0, 0, 1] = True   # a root that sees its child
     with pytest.raises(ValueError, match="later token"):
-        A.check_plan_invariants(plan)
+        check_plan_invariants(plan)
 
 
 def test_probe_falls_back_with_a_reason(ops):
@@ -349,8 +380,8 @@ def test_probe_falls_back_with_a_reason(ops):
         def npu_fused_infer_attention_score_v2(self, *a, **kw):
             raise RuntimeError("sparse_mode 9 not supported by this CANN")
 
-    assert A.probe_tree_sparse(ops, "cpu", torch.float32, 4, 2, 16, 9).ok
-    bad = A.probe_tree_sparse(NoTreeMask(), "cpu", torch.float32, 4, 2, 16, 9)
+    assert probe_tree_sparse(ops, "cpu", torch.float32, 4, 2, 16, 9).ok
+    bad = probe_tree_sparse(NoTreeMask(), "cpu", torch.float32, 4, 2, 16, 9)
     assert not bad.ok and "not supported" in bad.reason
 
     class WrongAlignment(EmulatedTorchNPU):    # a device that aligns the tree top-left
@@ -360,48 +391,50 @@ def test_probe_falls_back_with_a_reason(ops):
                 out = [torch.roll(m, -(m.shape[1] - m.shape[0]), 1) for m in out]
             return out
 
-    off = A.probe_tree_sparse(WrongAlignment(), "cpu", torch.float32, 4, 2, 16, 9)
+    off = probe_tree_sparse(WrongAlignment(), "cpu", torch.float32, 4, 2, 16, 9)
     assert not off.ok and "differs" in off.reason
 
 
 def test_modules_do_not_import_torch_npu():
-    code = ("import sys; import vllm_treespec.attention.ascend, "
+    code = ("import sys; import vllm_treespec.attention.ascend.synthetic, "
+            "vllm_treespec.attention.ascend.graphs, vllm_treespec.attention.ascend.settings, "
+            "vllm_treespec.vllm_glue.ascend, "
             "vllm_treespec.attention.emulation, vllm_treespec.npu_check; "
             "assert 'torch_npu' not in sys.modules and 'vllm_ascend' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ------------------------------------------------------- static shapes and graphs
-@pytest.mark.parametrize("variant", A.VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_plans_padded_to_the_static_tree_size(ops, variant):
-    batch = A.make_verify_batch(31, ["tree", "causal", "tree"], 6, 4, 2, 16)
-    plan = A.pad_plan(A.plan_tree_rows(batch.tree_rows), 10)   # runner T=6, buffers T=10
+    batch = make_verify_batch(31, ["tree", "causal", "tree"], 6, 4, 2, 16)
+    plan = pad_plan(plan_tree_rows(batch.tree_rows), 10)   # runner T=6, buffers T=10
     assert plan.tree_size == 10 and not plan.uniform
-    A.check_plan_invariants(plan)
-    buffers = A.TreeAttentionBuffers(4, 10, 4, 2, 16, torch.float32, "cpu",
-                                     batch.block_table.shape[1])
+    check_plan_invariants(plan)
+    buffers = TreeAttentionBuffers(4, 10, 4, 2, 16, torch.float32, "cpu",
+                                   batch.block_table.shape[1])
     out = batch.reference_output().clone()
     out[plan.rows] = float("nan")
-    A.run_tree_verify(ops, variant, plan, buffers, batch.query, batch.key, batch.value,
-                      batch.key_cache, batch.value_cache, batch.heads, out)
+    run_tree_verify(ops, variant, plan, buffers, batch.query, batch.key, batch.value,
+                    batch.key_cache, batch.value_cache, batch.heads, out)
     assert _err(out, batch.reference_output()) < 1e-5
 
 
 def test_uniform_batch_plan_places_trees_and_tolerates_dummy_requests(ops):
-    batch = A.make_verify_batch(32, ["tree", "tree"], 5, 2, 1, 16, full_trees=True)
+    batch = make_verify_batch(32, ["tree", "tree"], 5, 2, 1, 16, full_trees=True)
     T = 5
     # graph padding: a third, dummy request with KV length 0 and an empty table row
     table = torch.cat([batch.block_table, torch.zeros_like(batch.block_table[:1])])
-    plan = A.plan_uniform_batch(T, batch.kv_lens + [0], table, 128, batch.tree_rows)
+    plan = plan_uniform_batch(T, batch.kv_lens + [0], table, 128, batch.tree_rows)
     assert plan.kv_lens[-1] == T and plan.ctx_lens[-1] == 0
-    ref_plan = A.plan_tree_rows(batch.tree_rows)
+    ref_plan = plan_tree_rows(batch.tree_rows)
     assert torch.equal(plan.intra_mask[:2], ref_plan.intra_mask)
     assert torch.equal(plan.intra_mask[2], torch.ones(T, T, dtype=torch.bool).tril())
     q = torch.cat([batch.query, torch.zeros(T, 2, 16)])
     out = torch.zeros_like(q)
-    buffers = A.TreeAttentionBuffers(3, T, 2, 1, 16, torch.float32, "cpu", table.shape[1])
-    A.run_tree_verify(ops, A.FULL_MASK, plan, buffers, q, None, None, batch.key_cache,
-                      batch.value_cache, batch.heads, out)
+    buffers = TreeAttentionBuffers(3, T, 2, 1, 16, torch.float32, "cpu", table.shape[1])
+    run_tree_verify(ops, FULL_MASK, plan, buffers, q, None, None, batch.key_cache,
+                    batch.value_cache, batch.heads, out)
     ref = batch.reference_output()
     assert _err(out[: ref.shape[0]], ref) < 1e-5
 
@@ -464,25 +497,25 @@ class _FakeGraphDevice:
         self.npu = _Npu
 
 
-@pytest.mark.parametrize("variant", [A.FULL_MASK, A.TREE_SPARSE])
+@pytest.mark.parametrize("variant", [FULL_MASK, TREE_SPARSE])
 def test_captured_calls_are_reissued_with_each_steps_lengths_and_masks(variant):
     # Capture once with placeholder lengths and no trees; each "replay" must then
     # compute the new step's trees over its new KV lengths.
     dev = _FakeGraphDevice()
     T, B = 6, 3
-    steps = [A.make_verify_batch(60 + s, ["tree"] * B, T, 4, 2, 16, full_trees=True,
-                                 max_ctx=250) for s in range(3)]
+    steps = [make_verify_batch(60 + s, ["tree"] * B, T, 4, 2, 16, full_trees=True,
+                               max_ctx=250) for s in range(3)]
     width = max(s.block_table.shape[1] for s in steps)
     nb = max(s.key_cache.shape[0] for s in steps)
     kc, vc = torch.zeros(nb, 128, 2, 16), torch.zeros(nb, 128, 2, 16)
     q, table = torch.zeros(B * T, 4, 16), torch.zeros(B, width, dtype=torch.int32)
     out = torch.zeros_like(q)
-    buffers = A.TreeAttentionBuffers(B, T, 4, 2, 16, torch.float32, "cpu", width)
-    capture_plan = A.plan_uniform_batch(T, [1] * B, table, 128)
+    buffers = TreeAttentionBuffers(B, T, 4, 2, 16, torch.float32, "cpu", width)
+    capture_plan = plan_uniform_batch(T, [1] * B, table, 128)
     buffers.mark_written(capture_plan)
     records = []
-    A.run_tree_verify(dev, variant, capture_plan, buffers, q, None, None, kc, vc,
-                      steps[0].heads, out, issue=A.capture_issuer(dev, dev.npu, records))
+    run_tree_verify(dev, variant, capture_plan, buffers, q, None, None, kc, vc,
+                    steps[0].heads, out, issue=capture_issuer(dev, dev.npu, records))
     assert len(records) == 1 and dev.log == ["wait", "group_begin"]
     for batch in steps:
         kc.zero_(); vc.zero_(); table.zero_()
@@ -490,8 +523,8 @@ def test_captured_calls_are_reissued_with_each_steps_lengths_and_masks(variant):
         vc[: batch.value_cache.shape[0]] = batch.value_cache
         table[:, : batch.block_table.shape[1]] = batch.block_table
         q.copy_(batch.query)
-        plan = A.plan_uniform_batch(T, batch.kv_lens, table, 128, batch.tree_rows)
-        A.update_captured(dev, dev.npu, records, plan, buffers, variant, None, table)
+        plan = plan_uniform_batch(T, batch.kv_lens, table, 128, batch.tree_rows)
+        update_captured(dev, dev.npu, records, plan, buffers, variant, None, table)
         got = records[0].outs[0].reshape(B * T, 4, 16)
         assert _err(got, batch.reference_output()) < 1e-5
     assert dev.log[-3:] == ["update_begin", "update_end", "record"]
@@ -500,15 +533,15 @@ def test_captured_calls_are_reissued_with_each_steps_lengths_and_masks(variant):
 def test_settings_from_config_and_environment():
     from vllm_treespec.config import TreeSpecConfigError
 
-    s = A.resolve_settings("fused", {})
-    assert (s.exec_mode, s.variant, s.full_graph) == ("fused", A.FULL_MASK, False)
-    s = A.resolve_settings("fused", {A.EXEC_MODE_ENV: "reference", A.VARIANT_ENV: "two_pass",
-                                     A.FULL_GRAPH_ENV: "1"})
-    assert (s.exec_mode, s.variant, s.full_graph) == ("reference", A.TWO_PASS, True)
-    for env in ({A.EXEC_MODE_ENV: "fast"}, {A.VARIANT_ENV: "sparse9"},
-                {A.FULL_GRAPH_ENV: "yes"}):
+    s = resolve_settings("fused", {})
+    assert (s.exec_mode, s.variant, s.full_graph) == ("fused", FULL_MASK, False)
+    s = resolve_settings("fused", {EXEC_MODE_ENV: "reference", VARIANT_ENV: "two_pass",
+                                   FULL_GRAPH_ENV: "1"})
+    assert (s.exec_mode, s.variant, s.full_graph) == ("reference", TWO_PASS, True)
+    for env in ({EXEC_MODE_ENV: "fast"}, {VARIANT_ENV: "sparse9"},
+                {FULL_GRAPH_ENV: "yes"}):
         with pytest.raises(TreeSpecConfigError, match="invalid value"):
-            A.resolve_settings("fused", env)
+            resolve_settings("fused", env)
 
 
 def test_npu_check_runs_through_the_emulation(tmp_path, capsys):

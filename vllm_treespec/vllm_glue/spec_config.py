@@ -87,7 +87,7 @@ WORKERS = {
     "cpu": "vllm_treespec.vllm_glue.workers.TreeCPUWorker",
     # vllm-ascend's NPUPlatform.device_type; the class lives with the Ascend glue so
     # that NPU workers never import vLLM's CPU worker module (and CPU ones never torch_npu)
-    "npu": "vllm_treespec.vllm_glue.ascend.TreeNPUWorker",
+    "npu": "vllm_treespec.vllm_glue.ascend.worker.TreeNPUWorker",
 }
 
 

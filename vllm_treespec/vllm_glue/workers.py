@@ -32,7 +32,7 @@ class TreeCPUWorker(CPUWorker):
 def __getattr__(name: str):
     # The Ascend worker imports torch_npu and vllm_ascend: load it only on request.
     if name == "TreeNPUWorker":
-        from vllm_treespec.vllm_glue.ascend import TreeNPUWorker
+        from vllm_treespec.vllm_glue.ascend.worker import TreeNPUWorker
 
         return TreeNPUWorker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,19 +1,9 @@
-"""Tree speculation inside vllm-ascend (targets vllm-ascend main of 2026-08-22 with
-vLLM 0.27.1). Imported only by the NPU worker, i.e. only when the platform is an
-Ascend NPU and the speculative method is ``eagle3_tree``: CPU installs never
-import this module, torch_npu or vllm_ascend.
+"""The tree attention backend inside vllm-ascend, and its per-process state.
 
-What it adds to vllm-ascend, all selected in tree mode only:
-
-* ``TreeAscendAttentionBackend`` / ``TreeAscendAttentionImpl`` /
-  ``TreeAscendMetadataBuilder``: vllm-ascend's GQA attention with tree rows.
-  vllm-ascend's ``NPUPlatform.get_attn_backend_cls`` ignores the requested
-  backend, so :func:`install_backend` wraps it (idempotently, in the worker, after
-  every plugin has loaded) to answer this backend when the engine is in tree
-  mode and the stock answer is the GQA backend.
-* ``TreeNPUWorker``: ``NPUWorker`` whose runner is ``NPUModelRunner`` + the
-  device-agnostic ``TreeRunnerMixin`` (swapped in for ``init_device`` only, as
-  the CPU worker does), with the drafter built on vllm-ascend's EAGLE proposer.
+``TreeAscendAttentionBackend`` / ``TreeAscendAttentionImpl`` /
+``TreeAscendMetadataBuilder``: vllm-ascend's GQA attention with tree rows, and
+:func:`install_backend`, which makes ``NPUPlatform.get_attn_backend_cls`` answer
+this backend in tree mode.
 
 Execution modes (``exec_mode`` in the tree config, overridable by
 ``$VLLM_TREESPEC_EXEC_MODE``):
@@ -35,12 +25,14 @@ uniform verify batches and re-issues it at replay through
 ``update_graph_params``. That path follows torch_npu's task-update protocol as
 vllm-ascend uses it but has not run on hardware here: validate it with
 ``vllm-treespec npu-check`` first.
+
+Owns the per-process state (active variant, persistent buffers, captured calls).
+Imports torch_npu and vllm_ascend at module level; from this package, nothing.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 
 import torch
@@ -53,7 +45,6 @@ from vllm_ascend.attention.attention_v1 import (
     AscendAttentionBackendImpl,
     AscendAttentionMetadataBuilder,
 )
-from vllm_ascend.worker.worker import NPUWorker
 
 from vllm_treespec.attention import (
     DraftTreeLevelMetadata,
@@ -61,11 +52,24 @@ from vllm_treespec.attention import (
     paged_tree_attention,
     prefix_side_attention,
 )
-from vllm_treespec.attention import ascend as tree_npu
+from vllm_treespec.attention.ascend.buffers import TreeAttentionBuffers
+from vllm_treespec.attention.ascend.constants import ASCEND_BLOCK_SIZE, FULL_MASK
+from vllm_treespec.attention.ascend.execute import HeadConfig, run_draft_level, run_tree_verify
+from vllm_treespec.attention.ascend.graphs import CapturedCall, capture_issuer, update_captured
+from vllm_treespec.attention.ascend.plans import (
+    TreeAttentionPlan,
+    check_plan_invariants,
+    pad_plan,
+    plan_tree_rows,
+    plan_uniform_batch,
+)
+from vllm_treespec.attention.ascend.settings import (
+    FULL_GRAPH_ENV,
+    AscendTreeSettings,
+    resolve_settings,
+)
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-
-logger = logging.getLogger("vllm.treespec")
 
 # vllm-ascend's metadata builder asserts 1 + num_speculative_tokens <= 16 ("FIA TND
 # layout's limit"); see TreeAscendMetadataBuilder for why tree mode lifts it.
@@ -75,14 +79,20 @@ STOCK_GQA_BACKEND = "vllm_ascend.attention.attention_v1.AscendAttentionBackend"
 # Per worker process: the fused variant in use (after the startup probe), the
 # shared persistent buffers, and the calls captured in FULL ACL graphs.
 _ACTIVE_VARIANT: str | None = None
-_BUFFERS: dict[tuple, tree_npu.TreeAttentionBuffers] = {}
-_GRAPH_RECORDS: dict[int, list[tree_npu.CapturedCall]] = {}
-_GRAPH_BUFFERS: dict[int, tree_npu.TreeAttentionBuffers] = {}
+_BUFFERS: dict[tuple, TreeAttentionBuffers] = {}
+_GRAPH_RECORDS: dict[int, list[CapturedCall]] = {}
+_GRAPH_BUFFERS: dict[int, TreeAttentionBuffers] = {}
 
 
-def _settings(vllm_config) -> tree_npu.AscendTreeSettings:
+def set_active_variant(variant: str) -> None:
+    """Record the fused variant this worker process uses (after the startup probe)."""
+    global _ACTIVE_VARIANT
+    _ACTIVE_VARIANT = variant
+
+
+def settings_from_config(vllm_config) -> AscendTreeSettings:
     cfg = tree_config_from_vllm(vllm_config)
-    return tree_npu.resolve_settings(cfg.exec_mode if cfg else "fused", dict(os.environ))
+    return resolve_settings(cfg.exec_mode if cfg else "fused", dict(os.environ))
 
 
 def kv_pair(kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,7 +104,6 @@ def kv_pair(kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
     raise TypeError(f"unexpected Ascend KV cache {type(kv_cache).__name__}")
 
 
-# ------------------------------------------------------------------- backend
 def _tree_mode() -> bool:
     try:
         return tree_config_from_vllm(get_current_vllm_config()) is not None
@@ -173,24 +182,24 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
             raise TreeSpecConfigError(
                 "eagle3_tree on Ascend does not support sliding-window or attention-sink "
                 "layers yet (the tree mask would need the window too)")
-        self.tree_settings = _settings(self.vllm_config)
+        self.tree_settings = settings_from_config(self.vllm_config)
         spec = self.vllm_config.speculative_config
         self.tree_size = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        self.tree_heads = tree_npu.HeadConfig(self.num_heads, self.num_kv_heads,
-                                              self.head_size, self.scale)
+        self.tree_heads = HeadConfig(self.num_heads, self.num_kv_heads,
+                                     self.head_size, self.scale)
         self._side_kv: torch.Tensor | None = None
 
     @property
     def tree_variant(self) -> str:
-        return _ACTIVE_VARIANT or tree_npu.FULL_MASK
+        return _ACTIVE_VARIANT or FULL_MASK
 
-    def _buffers(self, dtype: torch.dtype, device) -> tree_npu.TreeAttentionBuffers:
+    def _buffers(self, dtype: torch.dtype, device) -> TreeAttentionBuffers:
         key = (self.num_heads, self.num_kv_heads, self.head_size, dtype, str(device))
         buf = _BUFFERS.get(key)
         if buf is None:
             cfg = self.vllm_config
-            block = tree_npu.ASCEND_BLOCK_SIZE
-            buf = tree_npu.TreeAttentionBuffers(
+            block = ASCEND_BLOCK_SIZE
+            buf = TreeAttentionBuffers(
                 max_reqs=cfg.scheduler_config.max_num_seqs + 2, tree_size=self.tree_size,
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
                 head_size=self.head_size, dtype=dtype, device=device,
@@ -199,11 +208,11 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
         return buf
 
     def _step_plan(self, tree: TreeVerifyRows,
-                   buffers: tree_npu.TreeAttentionBuffers) -> tree_npu.TreeAttentionPlan:
+                   buffers: TreeAttentionBuffers) -> TreeAttentionPlan:
         # One plan per step, kept in the scratch every layer shares.
         plan = tree.scratch.get("ascend_plan")
         if plan is None:
-            plan = tree_npu.pad_plan(tree_npu.plan_tree_rows(tree), buffers.T)
+            plan = pad_plan(plan_tree_rows(tree), buffers.T)
             if plan.block_table.shape[1] > buffers.max_blocks:
                 plan.block_table = plan.block_table[:, : buffers.max_blocks].contiguous()
             if not buffers.fits(plan.batch_size, plan.tree_size):
@@ -232,8 +241,8 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
             output = super().forward_impl(query, key, value, kv_cache, attn_metadata, output)
             if not tree.scratch.get("ascend_checked"):
                 buffers = self._buffers(query.dtype, query.device)
-                tree_npu.check_plan_invariants(self._step_plan(tree, buffers),
-                                               num_blocks=k_cache.shape[0])
+                check_plan_invariants(self._step_plan(tree, buffers),
+                                      num_blocks=k_cache.shape[0])
                 tree.scratch["ascend_checked"] = True
             q = query[tree.rows].view(-1, self.num_heads, self.head_size)
             out = paged_tree_attention(q, k_cache, v_cache, tree.meta, self.scale)
@@ -244,8 +253,8 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
         plan = self._step_plan(tree, buffers)
         if not tree.covers_batch:  # prefill/decode rows too: stock kernel for all rows
             output = super().forward_impl(query, key, value, kv_cache, attn_metadata, output)
-        tree_npu.run_tree_verify(torch_npu, self.tree_variant, plan, buffers, query, key,
-                                 value, k_cache, v_cache, self.tree_heads, output)
+        run_tree_verify(torch_npu, self.tree_variant, plan, buffers, query, key,
+                        value, k_cache, v_cache, self.tree_heads, output)
         return output
 
     def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
@@ -267,8 +276,8 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
                                         md.side_mask, self.scale, md.max_prefix_len)
             output[: B * F] = out.reshape((B * F,) + output.shape[1:]).to(output.dtype)
             return output
-        tree_npu.run_draft_level(torch_npu, md, query, side[0, :B], side[1, :B], k_cache,
-                                 v_cache, self.tree_heads, output)
+        run_draft_level(torch_npu, md, query, side[0, :B], side[1, :B], k_cache,
+                        v_cache, self.tree_heads, output)
         return output
 
     # ------------------------------------------------------------- ACL graphs
@@ -287,7 +296,7 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
             raise RuntimeError(
                 f"eagle3_tree: FULL ACL graph capture of a verify batch with query lengths "
                 f"{sorted(set(lens))}, expected all {self.tree_size}; unset "
-                f"${tree_npu.FULL_GRAPH_ENV} to run tree attention outside graphs")
+                f"${FULL_GRAPH_ENV} to run tree attention outside graphs")
         return True
 
     def _capture_tree(self, query, key, value, kv_cache, md, output):
@@ -296,16 +305,16 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
         B = len(md.actual_seq_lengths_q)
         buffers = self._buffers(query.dtype, query.device)
         table = md.block_tables[:B]
-        plan = tree_npu.plan_uniform_batch(T, md.seq_lens_list[:B], table,
-                                           tree_npu.ASCEND_BLOCK_SIZE)
+        plan = plan_uniform_batch(T, md.seq_lens_list[:B], table,
+                                  ASCEND_BLOCK_SIZE)
         buffers.mark_written(plan)  # masks are written by update_graph_params, never captured
         from vllm_ascend.utils import weak_ref_tensors
 
         records = _GRAPH_RECORDS.setdefault(B * T, [])
         _GRAPH_BUFFERS[B * T] = buffers
-        issue = tree_npu.capture_issuer(torch_npu, torch.npu, records, weak_ref_tensors)
-        tree_npu.run_tree_verify(torch_npu, self.tree_variant, plan, buffers, query, key,
-                                 value, k_cache, v_cache, self.tree_heads, output, issue=issue)
+        issue = capture_issuer(torch_npu, torch.npu, records, weak_ref_tensors)
+        run_tree_verify(torch_npu, self.tree_variant, plan, buffers, query, key,
+                        value, k_cache, v_cache, self.tree_heads, output, issue=issue)
         return output
 
     @staticmethod
@@ -322,12 +331,12 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
         T = 1 + spec.num_speculative_tokens
         B = num_tokens // T
         buffers = _GRAPH_BUFFERS[num_tokens]
-        plan = tree_npu.plan_uniform_batch(T, md.seq_lens_list[:B], md.block_tables[:B],
-                                           tree_npu.ASCEND_BLOCK_SIZE,
-                                           getattr(md, "tree_verify", None))
-        tree_npu.update_captured(torch_npu, torch.npu, records, plan, buffers,
-                                 _ACTIVE_VARIANT or tree_npu.FULL_MASK, update_stream,
-                                 block_table=md.block_tables[:B])
+        plan = plan_uniform_batch(T, md.seq_lens_list[:B], md.block_tables[:B],
+                                  ASCEND_BLOCK_SIZE,
+                                  getattr(md, "tree_verify", None))
+        update_captured(torch_npu, torch.npu, records, plan, buffers,
+                        _ACTIVE_VARIANT or FULL_MASK, update_stream,
+                        block_table=md.block_tables[:B])
 
 
 class TreeAscendAttentionBackend(AscendAttentionBackend):
@@ -345,150 +354,3 @@ class TreeAscendAttentionBackend(AscendAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[TreeAscendMetadataBuilder]:
         return TreeAscendMetadataBuilder
-
-
-# -------------------------------------------------------------------- runner
-class _NPURunnerKVLayout:
-    def _kv_views(self, cache):
-        return kv_pair(cache)
-
-    def _tree_proposer_class(self) -> type:
-        return tree_ascend_proposer_class()
-
-
-class _NPUPrepareInputsOuter:
-    """NPUModelRunner._prepare_inputs returns (logits_indices, spec_metadata,
-    total_tokens); the tree mixin speaks vLLM's two-value form. This class sits
-    outside the mixin and restores the third value for NPUModelRunner's caller."""
-
-    def _prepare_inputs(self, *args, **kwargs):
-        logits_indices, spec_md = super()._prepare_inputs(*args, **kwargs)
-        return (logits_indices, spec_md, *self._npu_prepare_extra)
-
-
-class _NPUPrepareInputsInner:
-    """Sits between the tree mixin and NPUModelRunner (see the outer class)."""
-
-    def _prepare_inputs(self, *args, **kwargs):
-        logits_indices, spec_md, *extra = super()._prepare_inputs(*args, **kwargs)
-        self._npu_prepare_extra = tuple(extra)
-        return logits_indices, spec_md
-
-
-def tree_npu_runner_class(base: type) -> type:
-    from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
-
-    return type("TreeNPUModelRunner", (_NPURunnerKVLayout, _NPUPrepareInputsOuter,
-                                       TreeRunnerMixin, _NPUPrepareInputsInner, base), {})
-
-
-def tree_ascend_proposer_class() -> type:
-    """The tree drafter on vllm-ascend's EAGLE proposer (its model loading,
-    buffers and graph handling), adapted to the two places its interface differs
-    from vLLM's: the runner calls ``_propose`` with extra keywords, and
-    ``set_inputs_first_pass`` returns a fourth value (context-parallel args)."""
-    from vllm_ascend.spec_decode.eagle_proposer import AscendEagleProposer
-
-    from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
-
-    class TreeAscendEagleProposer(TreeEagleProposer, AscendEagleProposer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            # The catch-up pass builds its own CommonAttentionMetadata; whether
-            # vllm-ascend's metadata builder accepts it has not been run on an NPU,
-            # so the drafter keeps running every step there (the old behaviour).
-            self.defer_when_off = False
-
-        def set_inputs_first_pass(self, *args, **kwargs):
-            num_tokens, token_indices_to_sample, cad, *_ = super().set_inputs_first_pass(
-                *args, **kwargs)
-            return num_tokens, token_indices_to_sample, cad
-
-        def _propose(self, num_speculative_tokens, target_token_ids, target_positions,
-                     target_hidden_states, next_token_ids, token_indices_to_sample,
-                     common_attn_metadata, target_model_batch_desc=None,
-                     sampling_metadata=None, mm_embed_inputs=None,
-                     num_rejected_tokens_gpu=None, **_unused):
-            return self.propose(num_speculative_tokens, target_token_ids, target_positions,
-                                target_hidden_states, next_token_ids,
-                                token_indices_to_sample, common_attn_metadata,
-                                sampling_metadata, mm_embed_inputs=mm_embed_inputs,
-                                num_rejected_tokens_gpu=num_rejected_tokens_gpu)
-
-    return TreeAscendEagleProposer
-
-
-# -------------------------------------------------------------------- worker
-def _check_supported(vllm_config) -> None:
-    from vllm_ascend.utils import is_310p
-
-    if is_310p():
-        raise TreeSpecConfigError("eagle3_tree on Ascend needs an Atlas A2/A3 device "
-                                  "(310P uses a different attention path)")
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        raise TreeSpecConfigError("eagle3_tree on Ascend runs on model runner v1; unset "
-                                  "VLLM_USE_V2_MODEL_RUNNER")
-    parallel = vllm_config.parallel_config
-    if (getattr(parallel, "prefill_context_parallel_size", 1) > 1
-            or getattr(parallel, "decode_context_parallel_size", 1) > 1):
-        raise TreeSpecConfigError("eagle3_tree on Ascend does not support context "
-                                  "parallelism")
-
-
-def _fit_graph_mode(vllm_config, settings: tree_npu.AscendTreeSettings) -> None:
-    """FULL graphs replay attention as captured; without the tree capture path
-    they would replay causal attention for trees. Keep piecewise graphs (attention
-    runs eagerly, through this backend) unless the tree capture is enabled."""
-    cc = vllm_config.compilation_config
-    mode = cc.cudagraph_mode
-    if mode is None or not mode.has_full_cudagraphs():
-        return
-    if settings.full_graph and settings.exec_mode == "fused":
-        logger.warning("eagle3_tree: capturing tree verify in FULL ACL graphs ($%s=1); "
-                       "validate with `vllm-treespec npu-check` first", tree_npu.FULL_GRAPH_ENV)
-        return
-    new = CUDAGraphMode.PIECEWISE if mode.has_piecewise_cudagraphs() else CUDAGraphMode.NONE
-    logger.info("eagle3_tree: ACL graph mode %s -> %s (tree attention runs outside graphs; "
-                "$%s=1 captures it)", mode, new, tree_npu.FULL_GRAPH_ENV)
-    cc.cudagraph_mode = new
-
-
-def _select_variant(worker, settings: tree_npu.AscendTreeSettings) -> str:
-    variant = settings.variant
-    if settings.exec_mode != "fused" or variant != tree_npu.TREE_SPARSE:
-        return variant
-    cfg = worker.vllm_config
-    mc, pc = cfg.model_config, cfg.parallel_config
-    result = tree_npu.probe_tree_sparse(
-        torch_npu, worker.device, mc.dtype, mc.get_num_attention_heads(pc),
-        mc.get_num_kv_heads(pc), mc.get_head_size(),
-        1 + cfg.speculative_config.num_speculative_tokens)
-    if result.ok:
-        logger.info("eagle3_tree: tree_sparse enabled: %s", result.reason)
-        return variant
-    logger.warning("eagle3_tree: tree_sparse (sparse_mode=9) disabled on this device, "
-                   "using full_mask: %s", result.reason)
-    return tree_npu.FULL_MASK
-
-
-class TreeNPUWorker(NPUWorker):
-    def __init__(self, vllm_config, *args, **kwargs):
-        self.tree_settings = _settings(vllm_config)
-        _check_supported(vllm_config)
-        _fit_graph_mode(vllm_config, self.tree_settings)
-        super().__init__(vllm_config, *args, **kwargs)
-
-    def init_device(self):
-        global _ACTIVE_VARIANT
-        import vllm_ascend.worker.worker as npu_worker
-
-        install_backend()
-        stock_runner = npu_worker.NPUModelRunner
-        npu_worker.NPUModelRunner = tree_npu_runner_class(stock_runner)
-        try:
-            super().init_device()
-        finally:
-            npu_worker.NPUModelRunner = stock_runner
-        _ACTIVE_VARIANT = _select_variant(self, self.tree_settings)
-        logger.info("eagle3_tree on Ascend: exec_mode %s, variant %s",
-                    self.tree_settings.exec_mode, _ACTIVE_VARIANT)
