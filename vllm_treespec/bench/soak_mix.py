@@ -225,8 +225,12 @@ async def _read_stream(resp, req: SoakRequest, res: SoakResult, t0: float) -> No
         if data == "[DONE]":
             break
         chunk = json.loads(data)
-        if "error" in chunk:  # an error after the 200 header is a server failure
-            res.status, res.error = 500, json.dumps(chunk["error"])
+        if "error" in chunk:
+            # An error after the 200 header: vLLM validates some streamed requests
+            # only then (e.g. min-p under speculation) and puts the HTTP code it
+            # means in the error; without one it is a server failure.
+            err = chunk["error"]
+            res.status, res.error = int(err.get("code") or 500), json.dumps(err)
             return
         chunks += 1
         for choice in chunk.get("choices", []):
