@@ -88,3 +88,23 @@ def test_calibration_keeps_the_faster_row_counts_and_fills_single_gaps():
     assert timings[2] == (2.0, 1.0) and timings[4] == (2.0, 2.0)
     assert cpu_linear._ROWS == {2, 3, 4, 5, 8}
     cpu_linear.use_rows([])
+
+
+def test_uninstall_gives_the_stock_kernel_back(layers):
+    model, _, stock = layers
+    key = model.a.small_m_key
+    assert cpu_linear.uninstall([model]) == 2
+    assert model.a.cpu_linear is stock["a"] and model.b.cpu_linear is stock["b"]
+    assert not hasattr(model.a, "small_m_key") and cpu_linear._LAYERS[key][0].numel() == 0
+    assert cpu_linear.uninstall([model]) == 0
+
+
+def test_layer_timer_times_the_current_choice(layers):
+    model, _, _ = layers
+    calls = []
+    original = model.b.cpu_linear
+    model.b.cpu_linear = lambda x, w, b: calls.append(tuple(x.shape)) or original(x, w, b)
+    time_step = cpu_linear.layer_timer([model], torch.float32)
+    assert time_step(3) > 0 and calls == [(3, 96)]
+    chosen, timings = cpu_linear.calibrate(time_step, range(2, 4), repeats=1, margin=10.0)
+    assert chosen == [] and set(timings) == {2, 3}  # a margin nothing can beat

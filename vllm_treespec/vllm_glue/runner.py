@@ -363,7 +363,18 @@ class _CPUDevice:
         super().load_model(*args, **kwargs)
         if cpu_linear.enabled():
             models = [self.model] + ([self.drafter.model] if hasattr(self, "drafter") else [])
-            self._small_m_layers = cpu_linear.install(models, self.model_config.dtype)
+            dtype = self.model_config.dtype
+            self._small_m_layers = cpu_linear.install(models, dtype)
+            if not self._small_m_layers:
+                return
+            # Before compilation: a dispatcher that never picks W @ x^T only costs.
+            rows, timings = cpu_linear.calibrate(cpu_linear.layer_timer(models, dtype))
+            if not rows:
+                cpu_linear.uninstall(models)
+                self._small_m_layers = 0
+                logger.info("eagle3_tree: linear layers keep oneDNN's kernels (faster here "
+                            "for every row count; layer ms oneDNN/W @ x^T by rows: %s)",
+                            _timings_text(timings))
 
     def _calibrate_kernels(self) -> None:
         if not getattr(self, "_small_m_layers", 0):
@@ -373,8 +384,11 @@ class _CPUDevice:
                                              range(2, min(cpu_linear.MAX_ROWS, limit) + 1))
         logger.info("eagle3_tree: %d linear layers use W @ x^T for %s-row inputs; forward "
                     "ms oneDNN/W @ x^T by rows: %s", self._small_m_layers, rows or "no",
-                    ", ".join(f"{n}: {1e3 * a:.1f}/{1e3 * b:.1f}"
-                              for n, (a, b) in timings.items()))
+                    _timings_text(timings))
+
+
+def _timings_text(timings: dict[int, tuple[float, float]]) -> str:
+    return ", ".join(f"{n}: {1e3 * a:.1f}/{1e3 * b:.1f}" for n, (a, b) in timings.items())
 
 
 def tree_cpu_runner_class(base: type) -> type:

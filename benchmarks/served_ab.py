@@ -1,0 +1,125 @@
+"""Batch-1 speed of several methods as served, with every server alive at once.
+
+Why: ``vllm-treespec bench`` serves one method after another, and on these
+shared machines a server run drifts by 10 % and more against the next one, so
+a single served run cannot resolve the differences between speculative methods.
+Here one ``vllm-treespec serve`` per method starts first, then each turn is sent
+to every server in turn (one request at a time, streaming, greedy): slow drift
+of the machine hits all methods alike, while each measurement still includes
+everything a served request pays (API server, engine core, worker).
+
+    python benchmarks/served_ab.py --methods none,eagle3:k=2,eagle3_tree --turns 16 --out DIR
+
+Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``).
+Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``), so
+that five of them fit in 24 GB. Writes DIR/served_ab.json and prints a markdown
+table: tok/s over all turns, its ratio to the first method, the per-turn ratio
+(mean and p10/p90), TPOT and the acceptance length from each server's /metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.bench import pangu240, parse_method, split_methods
+    from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
+    from vllm_treespec.bench.server import Server
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="none,eagle3:k=2,eagle3_tree")
+    p.add_argument("--turns", type=int, default=16, help="first-turn prompts of pangu240")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--eagle3-k", type=int, default=3)
+    p.add_argument("--tree", default=None, help="JSON of eagle3_tree settings")
+    p.add_argument("--serve-args", default="--dtype float32 --max-model-len 4096 --seed 0 "
+                                           "--max-num-seqs 1")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    assets = ensure_assets()
+    args.model, args.drafter = str(assets.target), str(assets.drafter)
+    methods = [parse_method(m, args) for m in split_methods(args.methods)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+               "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
+    # First turns only: a second MT-Bench turn would need each method's own answer.
+    turns = [t for t in pangu240.build_turns(4 * args.turns) if t.depends_on is None]
+    turns = turns[:args.turns]
+    log = lambda msg: print(f"[served_ab] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    servers: dict[str, Server] = {}
+    try:
+        for label, spec in methods:
+            log(f"{label}: starting server")
+            servers[label] = Server(args.model, shlex.split(args.serve_args), spec,
+                                    out / f"server-{_slug(label)}.log", env=env)
+        drivers = {label: Driver(s, args.max_tokens) for label, s in servers.items()}
+        for d in drivers.values():
+            d.run_turn(pangu240.Turn("warmup", "warmup",
+                                     [{"role": "user", "content": "Say hello."}]))
+        before = {label: spec_counters(s.metrics()) for label, s in servers.items()}
+        results: dict[str, list] = {label: [] for label in servers}
+        for i, turn in enumerate(turns):
+            for label, d in drivers.items():
+                r = d.run_turn(turn)
+                results[label].append(r)
+                log(f"{i + 1}/{len(turns)} {label} {turn.turn_id}: {r.output_tokens} tok "
+                    f"{r.tok_s:.1f} tok/s")
+        after = {label: spec_counters(s.metrics()) for label, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.close()
+
+    first = methods[0][0]
+    summary = {"command": "python benchmarks/served_ab.py " + " ".join(
+                   shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+               "turns": len(turns), "max_tokens": args.max_tokens, "env": env,
+               "methods": {}}
+    for label, spec in methods:
+        rs = results[label]
+        tokens, seconds = sum(r.output_tokens for r in rs), sum(r.e2e_s for r in rs)
+        ratios = sorted(r.tok_s / b.tok_s for r, b in zip(rs, results[first]) if b.tok_s > 0)
+        summary["methods"][label] = {
+            "speculative_config": spec, "output_tokens": tokens, "seconds": seconds,
+            "tok_s": tokens / seconds,
+            "ratio": (tokens / seconds) / (sum(r.output_tokens for r in results[first])
+                                           / sum(r.e2e_s for r in results[first])),
+            "turn_ratio_mean": statistics.fmean(ratios),
+            "turn_ratio_p10": ratios[len(ratios) // 10],
+            "turn_ratio_p90": ratios[min(len(ratios) - 1, (9 * len(ratios)) // 10)],
+            "tpot_ms": 1e3 * statistics.fmean(r.tpot_s for r in rs),
+            "accept_len": accept_len_between(before[label], after[label]),
+            "turns": [{"turn": r.turn_id, "tokens": r.output_tokens, "e2e_s": r.e2e_s,
+                       "ttft_s": r.ttft_s} for r in rs]}
+    (out / "served_ab.json").write_text(json.dumps(summary, indent=1))
+    print(table(summary, first))
+    return 0
+
+
+def table(summary: dict, first: str) -> str:
+    lines = [f"| method | tok/s | vs `{first}` | per turn mean (p10 / p90) | TPOT ms | accept len |",
+             "|---|---|---|---|---|---|"]
+    for label, m in summary["methods"].items():
+        acc = "–" if m["accept_len"] is None else f"{m['accept_len']:.2f}"
+        lines.append(f"| {label} | {m['tok_s']:.2f} | {m['ratio']:.3f} | "
+                     f"{m['turn_ratio_mean']:.3f} ({m['turn_ratio_p10']:.2f} / "
+                     f"{m['turn_ratio_p90']:.2f}) | {m['tpot_ms']:.1f} | {acc} |")
+    return "\n".join(lines)
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
