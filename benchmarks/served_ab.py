@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(summary: dict, first: str) -> str:
-    lines = [f"| method | tok/s | vs `{first}` | per turn mean (p10 / p90) | TPOT ms | accept len |",
+    lines = [f"| method | tok/s | vs `{first}` | per turn mean (p10 / p90) | TPOT ms "
+             "| accept len |",
              "|---|---|---|---|---|---|"]
     for label, m in summary["methods"].items():
         acc = "–" if m["accept_len"] is None else f"{m['accept_len']:.2f}"

@@ -230,7 +230,10 @@ async def _read_stream(resp, req: SoakRequest, res: SoakResult, t0: float) -> No
             # only then (e.g. min-p under speculation) and puts the HTTP code it
             # means in the error; without one it is a server failure.
             err = chunk["error"]
-            res.status, res.error = int(err.get("code") or 500), json.dumps(err)
+            err = err if isinstance(err, dict) else {"message": str(err)}
+            code = err.get("code")
+            res.status = code if isinstance(code, int) and 400 <= code < 600 else 500
+            res.error = json.dumps(err)
             return
         chunks += 1
         for choice in chunk.get("choices", []):
