@@ -30,7 +30,7 @@ from pathlib import Path
 
 def main(argv: list[str] | None = None) -> int:
     from vllm_treespec.assets import ensure_assets
-    from vllm_treespec.bench import pangu240, parse_method, split_methods
+    from vllm_treespec.bench import slug, pangu240, parse_method, split_methods
     from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
     from vllm_treespec.bench.server import Server
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, spec in methods:
             log(f"{label}: starting server")
             servers[label] = Server(args.model, shlex.split(args.serve_args), spec,
-                                    out / f"server-{_slug(label)}.log", env=env)
+                                    out / f"server-{slug(label)}.log", env=env)
         drivers = {label: Driver(s, args.max_tokens) for label, s in servers.items()}
         for d in drivers.values():
             d.run_turn(pangu240.Turn("warmup", "warmup",
@@ -116,10 +116,6 @@ def table(summary: dict, first: str) -> str:
                      f"{m['turn_ratio_mean']:.3f} ({m['turn_ratio_p10']:.2f} / "
                      f"{m['turn_ratio_p90']:.2f}) | {m['tpot_ms']:.1f} | {acc} |")
     return "\n".join(lines)
-
-
-def _slug(label: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
 if __name__ == "__main__":

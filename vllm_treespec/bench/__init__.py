@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                "methods": {}}
     resolved: list[pangu240.Turn] | None = None
     for label, spec in methods:
-        turns_path = out / f"turns-{_slug(label)}.jsonl"
-        window_path = out / f"window-{_slug(label)}.json"
+        turns_path = out / f"turns-{slug(label)}.jsonl"
+        window_path = out / f"window-{slug(label)}.json"
         if args.resume is None:
             turns_path.unlink(missing_ok=True)
             window_path.unlink(missing_ok=True)
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         log(f"{label}: starting server")
         t_start = time.time()
-        with Server(args.model, serve_args, spec, out / f"server-{_slug(label)}.log",
+        with Server(args.model, serve_args, spec, out / f"server-{slug(label)}.log",
                     env=env) as server:
             drv = Driver(server, args.max_tokens, args.temperature)
             drv.run_turn(pangu240.Turn("warmup", "warmup",
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _slug(label: str) -> str:
+def slug(label: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
 
 
