@@ -29,6 +29,7 @@ from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.attention.cpu_layout import kv_views
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue import cpu_linear, support
+from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
@@ -80,7 +81,7 @@ class TreeRunnerMixin:
             for _ in range(repeats):
                 self._sync_device()
                 t0 = time.perf_counter()
-                out = self._dummy_run(n)
+                out = call_on_fresh_chunk(self._dummy_run, n)  # as live steps run
                 hidden = out[0] if isinstance(out, tuple) else out
                 self.model.compute_logits(hidden[:n])
                 self._sync_device()  # device time, not launch time
@@ -108,7 +109,7 @@ class TreeRunnerMixin:
                               for n, t in zip(cost.n, cost.t) if n in (1, 4, 16, 64, 256)))
 
     def sample_tokens(self, grammar_output):
-        out = super().sample_tokens(grammar_output)
+        out = call_on_fresh_chunk(super().sample_tokens, grammar_output)
         policy = self.tree_policy
         if policy is not None and self._step_start is not None and self._step_is_decode:
             drafted = getattr(self.drafter, "last_draft_seconds", 0.0)
@@ -291,7 +292,9 @@ class TreeRunnerMixin:
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         t0 = time.perf_counter()
-        out = super().execute_model(scheduler_output, intermediate_tensors)
+        # On a fresh frame-stack chunk: see frame_stack (15 % of a served step).
+        out = call_on_fresh_chunk(super().execute_model, scheduler_output,
+                                  intermediate_tensors)
         state = getattr(self, "execute_model_state", None)
         if self._verify is not None and state is not None:
             self._verify.hidden_states = state.hidden_states
