@@ -171,6 +171,7 @@ class AdaptiveBudget:
         # causal verifies chains with it but needs tree attention for branches
         # (large on the CPU, about 0 with a fused tree kernel). Learned online.
         self.branch_cost = 0.0
+        self._branching_steps: tuple[float, float] | None = None  # EWMA (tokens, seconds)
         self.branch_at = [0.0] * depth        # EWMA: did trees drafted to depth d branch
         self._rng = random.Random(seed)
         self._steps = 0
@@ -185,12 +186,21 @@ class AdaptiveBudget:
         ``branching``: some verified tree was not a chain."""
         if seconds <= 0 or num_tokens <= 0:
             return
-        if not branching:
+        if branching:
+            n, t = self._branching_steps or (num_tokens, seconds)
+            self._branching_steps = (0.8 * n + 0.2 * num_tokens, 0.8 * t + 0.2 * seconds)
+        else:
             self.step_cost.add(num_tokens, seconds)
-            return
-        plain = self.step_cost(num_tokens)
-        if plain is not None:
-            self.branch_cost = 0.8 * self.branch_cost + 0.2 * (seconds - plain)
+        # The extra is re-derived from what branching steps cost against the
+        # table as it is now, not frozen when they ran: the table starts at the
+        # startup sweep (dummy forwards, without the sampler and the step's
+        # bookkeeping) and reaches live scale only with chain steps. An extra
+        # learned before that holds the common per-step overhead too, prices
+        # every tree too high and would keep speculation off for good.
+        if self._branching_steps is not None:
+            chain = self.step_cost(self._branching_steps[0])
+            if chain is not None:
+                self.branch_cost = self._branching_steps[1] - chain
 
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
                       nodes_forwarded: int, levels_s: float) -> None:

@@ -174,6 +174,30 @@ def test_branch_cost_is_learned_and_makes_chains_win():
     assert p.branch_at[0] == pytest.approx(0.2)
 
 
+def test_the_branching_extra_follows_the_table_to_live_scale():
+    """Branching steps first, measured against the startup sweep; live steps
+    cost the sweep + 5 ms of per-step work (sampler, bookkeeping) + 2.5 ms of
+    tree attention. The common 5 ms is not a branching extra: once chain steps
+    bring the table to live scale, the extra is about 2.5 ms again, and a tree that
+    pays (depth 1, 4 nodes, 0.55 accepted: 1.55 tokens for 23.5 vs 20.8 ms)
+    is planned again."""
+    p = AdaptiveBudget(num_nodes=4, depth=1, width=4, probe_every=0)
+    for n, t in {1: 0.0158, 4: 0.0153, 16: 0.0203, 64: 0.0481}.items():
+        p.step_cost.set_knot(n, t)
+    p.accepted_at = [0.55]
+    for _ in range(100):
+        p.observe_budget(1, 4.0, branching=True)
+        p.observe_step(5, 0.0160 + 0.005 + 0.0025, branching=True)
+    assert p.branch_cost == pytest.approx(0.0075, abs=0.0005)  # all it can know yet
+    for _ in range(60):  # off steps or chains: plain steps at live cost
+        p.observe_step(1, 0.0158 + 0.005)
+    assert p.step_cost(1) == pytest.approx(0.0208, abs=0.001)
+    # Most of the 5 ms left the extra (the table's shape between knots keeps a little).
+    assert 0.0015 < p.branch_cost < 0.0045
+    assert p.predicted_ratio(1, 1) == pytest.approx(1.55 * 0.0208 / 0.0235, rel=0.08)
+    assert p.plan_depth(1) == 1
+
+
 def test_selected_nodes_are_each_requests_best():
     """The batch-wide cut is a per-request top-n by score: with the dynamic
     builder's strictly decreasing scores, that set is ancestor-closed."""
