@@ -151,6 +151,7 @@ class StepCostTable:
 
 class AdaptiveBudget:
     MAX_PROBE_GAP = 8  # while off, probes back off to one per 8 x probe_every steps
+    RATE_PER_TREE = 0.02  # acceptance estimates: weight of one verified tree
 
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
                  probe_every: int = 32, seed: int = 0):
@@ -224,9 +225,14 @@ class AdaptiveBudget:
         if not accepted:
             return
         n = len(accepted)
+        # Weighted by trees, not steps: the estimate spans about 1 / RATE_PER_TREE
+        # trees. At batch 1 one step is one Bernoulli outcome; a per-step EWMA of
+        # 0.1 swings by +-0.23 (2 sigma) around an acceptance of 0.45, below the
+        # break-even of a cheap verify, and turned speculation off on noise.
+        keep = (1.0 - self.RATE_PER_TREE) ** n
         for d in range(min(depth_used, self.D)):
             rate = sum(1 for a in accepted if a >= d + 1) / n
-            self.accepted_at[d] = 0.9 * self.accepted_at[d] + 0.1 * rate
+            self.accepted_at[d] = keep * self.accepted_at[d] + (1.0 - keep) * rate
 
     def observe_budget(self, depth: int, nodes_per_request: float,
                        branching: bool = False, unverified: int = 0) -> None:
