@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_treespec.assets import ensure_assets
     from vllm_treespec.bench import slug, pangu240, parse_method, split_methods
     from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
+    from vllm_treespec.bench.report import mean, pct
     from vllm_treespec.bench.server import Server
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -88,16 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     for label, spec in methods:
         rs = results[label]
         tokens, seconds = sum(r.output_tokens for r in rs), sum(r.e2e_s for r in rs)
-        ratios = sorted(r.tok_s / b.tok_s for r, b in zip(rs, results[first]) if b.tok_s > 0)
+        ratios = [r.tok_s / b.tok_s for r, b in zip(rs, results[first]) if b.tok_s > 0]
         summary["methods"][label] = {
             "speculative_config": spec, "output_tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds,
             "ratio": (tokens / seconds) / (sum(r.output_tokens for r in results[first])
                                            / sum(r.e2e_s for r in results[first])),
-            "turn_ratio_mean": statistics.fmean(ratios),
-            "turn_ratio_p10": ratios[len(ratios) // 10],
-            "turn_ratio_p90": ratios[min(len(ratios) - 1, (9 * len(ratios)) // 10)],
-            "tpot_ms": 1e3 * statistics.fmean(r.tpot_s for r in rs),
+            "turn_ratio_mean": mean(ratios),
+            "turn_ratio_p10": pct(ratios, 10),
+            "turn_ratio_p90": pct(ratios, 90),
+            "tpot_ms": 1e3 * mean([r.tpot_s for r in rs]),
             "accept_len": accept_len_between(before[label], after[label]),
             "turns": [{"turn": r.turn_id, "tokens": r.output_tokens, "e2e_s": r.e2e_s,
                        "ttft_s": r.ttft_s} for r in rs]}
