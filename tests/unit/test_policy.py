@@ -291,3 +291,20 @@ def test_unverified_requests_of_a_batch_join_its_next_verify_step():
         p.observe_acceptance([1], depth_used=1, predicted=0.5)
     assert p.accepted_at[0] == pytest.approx(0.5, abs=0.02)  # half the requests accept
     assert p.kappa == pytest.approx(2.0, rel=0.05)           # calibrated on verified nodes only
+
+
+def test_a_depth_never_seen_inherits_the_conditional_acceptance_above_it():
+    p = AdaptiveBudget(num_nodes=8, depth=6, width=4, probe_every=0)
+    assert p.accepted_at[:3] == pytest.approx([0.5, 0.25, 0.125])  # before any tree
+    rng = random.Random(0)
+    for _ in range(400):  # trees drafted to depth 2: 0.55 at depth 1, 0.12 of those at 2
+        a = int(rng.random() < 0.55)
+        a += a and int(rng.random() < 0.12)
+        p.observe_acceptance([a], depth_used=2, predicted=0.5)
+    acc = p.accepted_at
+    assert acc[0] == pytest.approx(0.55, abs=0.1)
+    assert acc[1] == pytest.approx(0.066, abs=0.04)
+    # Depth 3 was never verified: its estimate carries depth 2's conditional on.
+    assert acc[2] == pytest.approx(acc[1] * acc[1] / acc[0], rel=1e-6)
+    assert acc[2] < 0.02 and acc[5] < acc[4] < acc[3] < acc[2]
+

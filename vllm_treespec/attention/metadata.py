@@ -23,6 +23,8 @@ class TreeVerifyRows:
         so a backend can skip its regular kernel entirely
     chain_only: every tree row is causal-exact (``TreeBatch.causal_exact``: all
         trees of the step are chains), so a backend's causal kernel alone is exact
+    spare_blocks: cache blocks outside the scheduler's that a backend may overwrite
+        during the step (the CPU backend's chain copies; empty where none are reserved)
     scratch: per-step, layer-independent values a backend derives once (masks,
         indices) and reuses in every layer
     """
@@ -31,6 +33,7 @@ class TreeVerifyRows:
     meta: PagedTreeAttentionMetadata
     covers_batch: bool = False
     chain_only: bool = False
+    spare_blocks: list[int] = dataclasses.field(default_factory=list)
     scratch: dict = dataclasses.field(default_factory=dict)
 
 

@@ -1,11 +1,15 @@
 """Tree attention on vLLM's CPU backend.
 
 vLLM's CPU kernel knows causal attention only. In tree mode this backend replaces
-``CPU_ATTN`` (``register_backend``) and keeps the native kernel for every row,
-then recomputes the rows of tree-verify requests with a block-wise paged tree
-attention (same function as the reference). When every tree of a step is a
-chain, the native causal result is already exact and nothing is redone (the
-adaptive budget often trims trees to chains on the CPU). While drafting a tree,
+``CPU_ATTN`` (``register_backend``) and keeps the native kernel for every row.
+When every tree of a step is a chain, the native causal result is already exact
+(the adaptive budget often trims trees to chains on the CPU). Otherwise the tree
+rows are verified as a batch of chains by the same native kernel
+(``chain_split``: each chain gets the prefix's blocks through its block table and
+private copies of the block its path occupies, in scratch blocks the runner
+reserves), which costs about what a chain step of the same rows costs; a step
+that needs more scratch blocks than reserved recomputes its tree rows with the
+block-wise torch tree attention instead (``cpu_layout``, same function). While drafting a tree,
 the drafter's frontier nodes attend to the paged prefix plus their ancestors in
 a small per-layer side buffer (``prefix_side_attention``); nothing of the draft
 tree is written to the paged cache.
@@ -24,6 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_treespec.attention import DraftTreeLevelMetadata, TreeVerifyRows, cpu_layout
+from vllm_treespec.attention.chain_split import ChainSplitPlan, split_into_chains
 from vllm_treespec.attention.cpu_layout import kv_views
 from vllm_treespec.vllm_glue import support
 
@@ -76,6 +81,15 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             output = super().forward(layer, query, key, value, kv_cache, attn_metadata,
                                      output, output_scale, output_block_scale)
         if tree is not None and not tree.chain_only:
+            if "chains" not in tree.scratch:  # built by the first layer, reused by the others
+                meta = tree.meta
+                tree.scratch["chains"] = split_into_chains(
+                    meta.tree_mask, meta.query_start_loc, meta.seq_lens, meta.block_table,
+                    meta.block_size, tree.spare_blocks) if tree.spare_blocks else None
+            chains = tree.scratch["chains"]
+            if chains is not None:
+                self._verify_chains(layer, query, key, value, kv_cache, tree, chains, output)
+                return output
             plan = tree.scratch.get("cpu_plan")
             if plan is None:  # built by the first layer, reused by the others
                 plan = tree.scratch["cpu_plan"] = cpu_layout.plan(tree.meta, query.dtype)
@@ -83,6 +97,59 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             out = cpu_layout.tree_attention(q, kv_cache, plan, self.scale)
             output[tree.rows] = out.reshape((out.shape[0],) + output.shape[1:]).to(output.dtype)
         return output
+
+    def _verify_chains(self, layer, query, key, value, kv_cache, tree: TreeVerifyRows,
+                       chains: ChainSplitPlan, output) -> None:
+        """Tree rows as causal chain requests of the native kernel (see chain_split)."""
+        from vllm import _custom_ops as ops
+
+        step = chains.scratch.get(self.num_heads)
+        if step is None:  # once per step: the same for every layer of this shape
+            step = chains.scratch[self.num_heads] = self._chain_step(tree, chains, query.dtype)
+        rows, span, write_src, scheduler_metadata = step
+        nb, kvh, bs, _ = kv_cache.shape
+        for src, dst, count in chains.copies:  # the prefix's tail, into private blocks
+            kv_cache[dst: dst + count].copy_(kv_cache[src].expand((count,) + kv_cache.shape[1:]))
+        key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
+        if write_src is not None:  # the path's K/V at its logical offsets
+            ops.cpu_attn_reshape_and_cache(key[write_src], value[write_src], key_cache,
+                                           value_cache, chains.write_slots, self.isa,
+                                           k_scale=layer._k_scale_float,
+                                           v_scale=layer._v_scale_float,
+                                           kv_cache_dtype=self.kv_cache_dtype)
+        if span is not None:  # chain order is the rows' own order: no gather, no scatter
+            q, out = query[span[0]:span[1]], output[span[0]:span[1]]
+        else:
+            q = query[rows]
+            out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+            query_start_loc=chains.query_start_loc, seq_lens=chains.seq_lens,
+            scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=chains.block_table, softcap=0.0,
+            scheduler_metadata=scheduler_metadata, s_aux=None,
+            k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+        if span is None:
+            output[rows] = out.reshape((out.shape[0],) + output.shape[1:]).to(output.dtype)
+
+    def _chain_step(self, tree: TreeVerifyRows, chains: ChainSplitPlan, dtype):
+        """Per-step inputs of ``_verify_chains``: query rows in chain order (and the
+        span they form when contiguous and in order), the flat rows whose K/V are
+        written to scratch, and the kernel's scheduler metadata."""
+        from vllm import _custom_ops as ops
+
+        rows = tree.rows[chains.order]
+        lo, n = int(rows[0]), rows.numel()
+        span = (lo, lo + n) if torch.equal(rows, torch.arange(lo, lo + n)) else None
+        write_src = tree.rows[chains.write_rows] if chains.write_rows.numel() else None
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=chains.num_chains, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=chains.seq_lens,
+            dtype=dtype, query_start_loc=chains.query_start_loc, causal=True,
+            sliding_window_size=-1, isa=self.isa, enable_kv_split=False,
+            kv_cache_dtype=self.kv_cache_dtype)
+        return rows, span, write_src, metadata
 
     def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
         B, F, D = md.batch_size, md.width, self.head_size

@@ -16,6 +16,7 @@ Per step, for requests whose scheduled draft tokens are a tree:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -57,6 +58,9 @@ class TreeRunnerMixin:
         self._step_tokens = 0
         self._step_is_decode = False
         self._step_branching = False  # some tree of this step is not a chain
+        # Cache blocks past the scheduler's, for the attention backend's per-step
+        # scratch (see _CPUDevice); none unless a device reserves them.
+        self.tree_spare_blocks: list[int] = []
 
     # ------------------------------------------------------------- cost model
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
@@ -287,7 +291,7 @@ class TreeRunnerMixin:
         chain_only = bool(torch.equal(tree.causal_exact, tree.valid))
         self._step_branching = not chain_only
         return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
-                              chain_only=chain_only)
+                              chain_only=chain_only, spare_blocks=self.tree_spare_blocks)
 
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -356,11 +360,42 @@ class TreeRunnerMixin:
 
 
 class _CPUDevice:
-    """The CPU parts: the KV-cache layout, and linear layers that verify a few
-    tokens at close to one token's cost (``cpu_linear``)."""
+    """The CPU parts: the KV-cache layout, scratch blocks for verifying trees as
+    chains (``chain_split``), and linear layers that verify a few tokens at close
+    to one token's cost (``cpu_linear``)."""
+
+    # Blocks reserved past the scheduler's in every layer's cache: enough for a
+    # batch-1 tree of 8 branches (a branch whose path crosses a block boundary
+    # takes two). A step that needs more verifies its trees with torch instead.
+    SPARE_BLOCKS = 8
 
     def _kv_views(self, cache: torch.Tensor):
         return kv_views(cache, cache.shape[-1] // 2)
+
+    def _allocate_kv_cache_tensors(self, kv_cache_config):
+        """vLLM sizes each layer's cache by the scheduler's block count; we add
+        ``SPARE_BLOCKS`` pages at the end, which the scheduler never hands out
+        (the block count is derived from the tensor size when it is reshaped)."""
+        num = kv_cache_config.num_blocks
+        tensors = kv_cache_config.kv_cache_tensors
+        if any(t.block_stride or t.size % num for t in tensors):  # packed layouts: none
+            return super()._allocate_kv_cache_tensors(kv_cache_config)
+        extra = self.SPARE_BLOCKS
+        grown = dataclasses.replace(kv_cache_config, kv_cache_tensors=[
+            dataclasses.replace(t, size=t.size // num * (num + extra)) for t in tensors])
+        self._spare_bytes = sum(t.size // num * extra for t in tensors)
+        return super()._allocate_kv_cache_tensors(grown)
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        num = kv_cache_config.num_blocks
+        shapes = {tuple(c.shape) for c in self.kv_caches if c is not None}
+        if getattr(self, "_spare_bytes", 0) and all(s[0] == num + self.SPARE_BLOCKS
+                                                    for s in shapes):
+            self.tree_spare_blocks = list(range(num, num + self.SPARE_BLOCKS))
+            logger.info("eagle3_tree: %d spare KV blocks (%.1f MiB) verify trees as chains "
+                        "with the native attention kernel", self.SPARE_BLOCKS,
+                        self._spare_bytes / 2**20)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
