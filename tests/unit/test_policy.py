@@ -308,3 +308,17 @@ def test_a_depth_never_seen_inherits_the_conditional_acceptance_above_it():
     assert acc[2] == pytest.approx(acc[1] * acc[1] / acc[0], rel=1e-6)
     assert acc[2] < 0.02 and acc[5] < acc[4] < acc[3] < acc[2]
 
+
+def test_a_few_trees_outweigh_the_prior():
+    """Depth 2 is drafted 20 times and accepts 0.066 (0.55 x 0.12): the estimate
+    follows within a few trees, not after the whole EWMA has filled (a prior
+    weighted like 50 trees still said 0.16)."""
+    p = AdaptiveBudget(num_nodes=8, depth=6, width=4, probe_every=0)
+    p.accepted_at = [0.55, 0.3, 0.3, 0.3, 0.3, 0.3]
+    p._acc_data[1:] = p._acc_seen[1:] = [0.0] * 5  # depth 1 long observed; deeper never
+    for i in range(20):
+        p.observe_acceptance([2 if i in (3, 11) else int(i % 2 == 0)], depth_used=2,
+                             predicted=0.5)
+    assert p.accepted_at[1] == pytest.approx(2 / 20, abs=0.03)
+    assert p.accepted_at[0] > 0.5
+
