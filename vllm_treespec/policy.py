@@ -153,6 +153,7 @@ class StepCostTable:
 class AdaptiveBudget:
     MAX_PROBE_GAP = 8  # while off, probes back off to one per 8 x probe_every steps
     RATE_PER_TREE = 0.02  # acceptance estimates: weight of one verified tree
+    RATE_OFF_PROBE = 0.15  # ... of a tree verified by a probe while speculation is off
     PRIOR_TREES = 4.0     # weight of an acceptance prior, in trees
 
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
@@ -183,6 +184,7 @@ class AdaptiveBudget:
         self.last_depth = depth
         self.probing = False  # this step explores (see plan_depth)
         self._probe_gap = self._next_probe = None  # set by the first _probe_due
+        self._probing_while_off = False  # the drafts being verified come from such a probe
         self._unverified = 0  # requests of the last drafting step with no drafts
 
     @property
@@ -263,7 +265,14 @@ class AdaptiveBudget:
         # trees. At batch 1 one step is one Bernoulli outcome; a per-step EWMA of
         # 0.1 swings by +-0.23 (2 sigma) around an acceptance of 0.45, below the
         # break-even of a cheap verify, and turned speculation off on noise.
-        keep = (1.0 - self.RATE_PER_TREE) ** n
+        # While speculation is off, probes are all there is to learn from, one tree
+        # every 32-256 steps: at 0.02 each, an estimate that an unlucky start put
+        # below break-even took minutes of probes to come back (seen served: off
+        # for good after two turns whose depth-1 acceptance was 0.24-0.34, while
+        # stock chains gained 14-18 % on the same turns).
+        rate = self.RATE_OFF_PROBE if self._probing_while_off else self.RATE_PER_TREE
+        self._probing_while_off = False
+        keep = (1.0 - rate) ** n
         for d in range(min(depth_used, self.D)):
             rate = sum(1 for a in accepted if a >= d + 1) / n
             self._acc_data[d] = keep * self._acc_data[d] + (1.0 - keep) * rate
@@ -330,6 +339,7 @@ class AdaptiveBudget:
             if r > best:
                 best_d, best = d, r
         self.probing = self._probe_due(best_d)
+        self._probing_while_off = self.probing and best_d == 0
         if self.probing:
             # Explore one level deeper than the plan, to keep the statistics of
             # the next depth current (a full-depth probe of a wide batch would

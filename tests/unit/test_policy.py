@@ -322,3 +322,27 @@ def test_a_few_trees_outweigh_the_prior():
     assert p.accepted_at[1] == pytest.approx(2 / 20, abs=0.03)
     assert p.accepted_at[0] > 0.5
 
+
+
+def test_speculation_turned_off_by_an_unlucky_start_comes_back_within_a_few_probes():
+    """Batch 1, true acceptance 0.45, break-even about 0.15; the estimate starts at
+    0.05 (an unlucky start). Probes while off weigh RATE_OFF_PROBE per tree: a few
+    probes bring speculation back (at the on-rate of 0.02 per tree it took ~10
+    probes at gaps growing to 256 steps: off for most of 3,000 steps)."""
+    def off_fraction(seed, steps=3000):
+        rng = random.Random(seed)
+        p = AdaptiveBudget(num_nodes=1, depth=1, width=1, probe_every=32)
+        for n, t in {1: 0.020, 2: 0.0207, 4: 0.021, 16: 0.026}.items():
+            p.step_cost.set_knot(n, t)
+        for _ in range(20):
+            p.observe_draft(2, 0.002, 0, 0, 0.0)
+        p.accepted_at = [0.05]
+        off = 0
+        for _ in range(steps):
+            if p.plan_depth(1) == 0:
+                off += 1
+                continue
+            p.observe_budget(1, 1.0)
+            p.observe_acceptance([int(rng.random() < 0.45)], 1, 0.5)
+        return off / steps
+    assert max(off_fraction(seed) for seed in range(5)) < 0.15
