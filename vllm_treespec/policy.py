@@ -13,9 +13,8 @@ and decides every step:
 
   where t(N) is the step time for N verified tokens (a piecewise-linear table
   from a timing sweep at startup, refined online), t_draft(d) the measured drafting
-  time (its fixed part: the drafter's first pass over the verified tokens, the
-  root's distribution, the selection; plus d - 1 levels of ``level_width(d)``
-  nodes per request), A(d) the accepted drafts per request
+  time (the drafter's first pass over the verified tokens plus d - 1 levels of
+  ``level_width(d)`` nodes per request), A(d) the accepted drafts per request
   seen so far at depth <= d (per drafted request: one the selection left
   without drafts accepted none), and
   n(d) the nodes per request that trees drafted to depth d kept after the node
@@ -239,10 +238,8 @@ class AdaptiveBudget:
 
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
                       nodes_forwarded: int, levels_s: float) -> None:
-        """A drafting step: its fixed part (``first_pass_s``: the first pass over
-        ``first_pass_tokens`` and all per-step work outside the levels), and
-        ``levels`` levels that forwarded ``nodes_forwarded`` nodes in all (batch x
-        width, summed over levels) in ``levels_s``."""
+        """A drafting step: its first pass, and ``levels`` levels that forwarded
+        ``nodes_forwarded`` nodes in all (batch x width, summed over levels)."""
         self.first_pass_cost.add(first_pass_tokens, first_pass_s)
         if levels > 0:
             self.level_cost.add(nodes_forwarded / levels, levels_s / levels)

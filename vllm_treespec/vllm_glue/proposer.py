@@ -178,6 +178,7 @@ class TreeEagleProposer(EagleProposer):
                                  slot_mapping=self._get_slot_mapping(num_tokens,
                                                                      cad.slot_mapping)):
             last_hidden, hidden = self.model(**model_kwargs)
+        t_first = time.perf_counter()
         if depth == 0:  # a prefill step: the drafter read it, nothing to draft
             return self._finish_step(self._hand_over(None), t0)
         root_hidden = hidden[token_indices_to_sample]               # [B, d]
@@ -201,7 +202,6 @@ class TreeEagleProposer(EagleProposer):
         dynamic = self.topology is None
         width_cap = (self.policy.level_width(depth) if self.policy is not None
                      else self.tree_cfg.top_k)
-        t_levels = time.perf_counter()
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
             F = level.tokens.shape[1]
@@ -236,7 +236,6 @@ class TreeEagleProposer(EagleProposer):
             parent_mask = side_mask
             side_offset += F
             level = builder.next_level(logprobs)
-        levels_s = time.perf_counter() - t_levels
         budget, chain_only = None, False
         if self.policy is not None and self.topology is None:
             budget, chain_only = self.policy.select(builder.candidate_scores(), builder.M,
@@ -248,19 +247,11 @@ class TreeEagleProposer(EagleProposer):
             self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
                                        branching=not chain_only,
                                        unverified=int((trees.num_nodes == 0).sum()))
+            self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
+                                      nodes_forwarded, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
-        drafts = self._hand_over(trees)
-        if self.policy is not None:
-            # Levels are timed alone; everything else of the step (first pass, the
-            # root's distribution, selection, hand-over) is paid by every drafting
-            # step whatever its depth, so it counts as the fixed part. (Charging it
-            # to the levels made depth 2 look ~1 ms dearer than it is, and depth 1
-            # that much cheaper.)
-            fixed_s = time.perf_counter() - t_catch_up - levels_s
-            self.policy.observe_draft(num_tokens, fixed_s, levels_run, nodes_forwarded,
-                                      levels_s)
-        return self._finish_step(drafts, t0)
+        return self._finish_step(self._hand_over(trees), t0)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:
