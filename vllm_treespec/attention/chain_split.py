@@ -12,12 +12,12 @@ The real cache holds node ``i`` at position ``P + i`` (vLLM lays draft tokens
 out linearly), which is a chain's path only where the path's node at depth j is
 node j (the leading chain). Any other chain gets private copies of the logical
 blocks its path occupies: the block holding the prefix's tail is copied whole
-from the request's own block (one contiguous copy per request into consecutive
-scratch blocks: cheaper than copying the tail's strided positions), then the
-path's K/V are written at their logical offsets. The copies go to a few scratch blocks that the
-runner reserves past the scheduler's blocks; the prefix's full blocks are shared
-through the block table, never copied. A step that needs more scratch blocks
-than there are gets no plan (the caller verifies it another way).
+from the request's own block (into consecutive scratch blocks, one contiguous
+copy per run: cheaper than copying the tail's strided positions), then the
+path's K/V are written at their logical offsets. The scratch blocks are a few
+that the runner reserves past the scheduler's; the prefix's full blocks are
+shared through the block table, never copied. A step that needs more scratch
+blocks than there are gets no plan (the caller verifies it another way).
 
 Pure torch, host-side lists (trees are small); no vLLM import.
 """
