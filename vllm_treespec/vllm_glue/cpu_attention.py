@@ -22,6 +22,7 @@ goes straight to the stock implementation.
 from __future__ import annotations
 
 import torch
+from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
     CPUAttentionBackendImpl,
@@ -37,7 +38,6 @@ def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
                     num_kv_heads: int = 2) -> None:
     """Write known K/V with vLLM's CPU cache kernel and read them back through
     ``kv_views``; raise at startup if this build lays the cache out differently."""
-    from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     isa = _get_attn_isa(dtype, block_size, head_size, "auto")
@@ -101,8 +101,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def _verify_chains(self, layer, query, key, value, kv_cache, tree: TreeVerifyRows,
                        chains: ChainSplitPlan, output) -> None:
         """Tree rows as causal chain requests of the native kernel (see chain_split)."""
-        from vllm import _custom_ops as ops
-
+    
         step = chains.scratch.get(self.num_heads)
         if step is None:  # once per step: the same for every layer of this shape
             step = chains.scratch[self.num_heads] = self._chain_step(tree, chains, query.dtype)
@@ -137,8 +136,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         """Per-step inputs of ``_verify_chains``: query rows in chain order (and the
         span they form when contiguous and in order), the flat rows whose K/V are
         written to scratch, and the kernel's scheduler metadata."""
-        from vllm import _custom_ops as ops
-
+    
         rows = tree.rows[chains.order]
         lo, n = int(rows[0]), rows.numel()
         span = (lo, lo + n) if torch.equal(rows, torch.arange(lo, lo + n)) else None
