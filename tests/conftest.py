@@ -14,3 +14,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The engines the tests start inherit this (an explicit setting wins).
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                       ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+
+# Our Triton kernels (vllm_treespec.kernels) run under Triton's CPU interpreter
+# when no CUDA device is present; triton reads this when a kernel module is
+# imported. vLLM's own Triton use stays off on the CPU either way (it checks for
+# an active GPU driver, not this variable).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass

@@ -542,6 +542,9 @@ def test_settings_from_config_and_environment():
                 {FULL_GRAPH_ENV: "yes"}):
         with pytest.raises(TreeSpecConfigError, match="invalid value"):
             resolve_settings("fused", env)
+    assert resolve_settings("fused", {VARIANT_ENV: "triton"}).variant == "triton"
+    with pytest.raises(TreeSpecConfigError, match="not captured in ACL graphs"):
+        resolve_settings("fused", {VARIANT_ENV: "triton", FULL_GRAPH_ENV: "1"})
 
 
 def test_npu_check_runs_through_the_emulation(tmp_path, capsys):

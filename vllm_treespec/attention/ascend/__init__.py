@@ -35,6 +35,13 @@ and ``npu_attention_update``, and CANN's sparse-mode table):
   :func:`~vllm_treespec.attention.ascend.synthetic.probe_tree_sparse` agreed with
   ``full_mask`` on the live device.
 
+A fourth variant is not a torch_npu call: ``triton`` (D) launches our own Triton
+kernel (:mod:`vllm_treespec.kernels.tree_attention`, compiled for the NPU by
+triton-ascend): one pass over the paged KV with the tree as a per-row ancestor
+bitmask, no context-sized mask and no merge. Eager only (refused with
+``$VLLM_TREESPEC_ASCEND_FULL_GRAPH=1``). Checked here under Triton's CPU
+interpreter; not yet run on an NPU.
+
 Modules, in dependency order (each imports only modules above it):
 
 * :mod:`.constants`: block size and variant names;

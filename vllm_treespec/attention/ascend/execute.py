@@ -25,7 +25,13 @@ from vllm_treespec.attention.ascend.calls import (
     prefix_call,
     tree_sparse_call,
 )
-from vllm_treespec.attention.ascend.constants import FULL_MASK, TREE_SPARSE, TWO_PASS, VARIANTS
+from vllm_treespec.attention.ascend.constants import (
+    FULL_MASK,
+    TREE_SPARSE,
+    TRITON,
+    TWO_PASS,
+    VARIANTS,
+)
 from vllm_treespec.attention.ascend.plans import TreeAttentionPlan
 from vllm_treespec.attention.metadata import DraftTreeLevelMetadata
 
@@ -130,6 +136,20 @@ def run_tree_verify(ops: Any, variant: str, plan: TreeAttentionPlan,
         out, _ = issue(tree_sparse_call(plan, buffers, q_tnd, key_cache, value_cache, H, KVH, s),
                        [rows_out, buffers.lse("lse_unused", (1,))])
         _write_rows(plan, output, out[: plan.num_rows], heads)
+    elif variant == TRITON:
+        # Our kernel reads the paged cache once with the tree as a bitmask: no
+        # context-sized mask, one call. Launched eagerly (not ACL-graph captured).
+        from vllm_treespec.kernels.tree_attention import tree_attention, tree_row_metadata
+
+        if plan.kernel_rows is None:  # once per step, shared by every layer
+            cu = torch.tensor([0] + plan.cu_q_lens, dtype=torch.int32)
+            plan.kernel_rows = tree_row_metadata(
+                cu.to(plan.intra_mask.device),
+                torch.tensor(plan.kv_lens, dtype=torch.int32, device=plan.intra_mask.device),
+                plan.intra_mask)
+        out = tree_attention(_packed(plan, query), key_cache, value_cache, plan.block_table,
+                             plan.block_size, plan.kernel_rows, s)
+        _write_rows(plan, output, out, heads)
     else:
         raise ValueError(f"unknown Ascend tree-attention variant {variant!r}; "
                          f"expected one of {VARIANTS}")

@@ -46,6 +46,9 @@ class TreeAttentionPlan:
     valid: torch.Tensor
     uniform: bool
     serial: int = dataclasses.field(default_factory=lambda: next(_plan_serial))
+    # The ``triton`` variant's per-row bitmask metadata, built by the first layer
+    # that needs it (kernels.tree_attention.TreeRowMetadata).
+    kernel_rows: object | None = dataclasses.field(default=None, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -165,7 +168,7 @@ def pad_plan(plan: TreeAttentionPlan, tree_size: int) -> TreeAttentionPlan:
         token_index=torch.cat([plan.token_index, extra], dim=1),
         valid=torch.arange(T, device=dev).unsqueeze(0) < q_t.unsqueeze(1),
         uniform=plan.uniform and all(q == T for q in plan.q_lens),
-        serial=next(_plan_serial))
+        serial=next(_plan_serial), kernel_rows=None)
 
 
 def check_plan_invariants(plan: TreeAttentionPlan, num_blocks: int | None = None) -> None:

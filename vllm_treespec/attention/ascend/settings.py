@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm_treespec.attention.ascend.constants import FULL_MASK, VARIANTS
+from vllm_treespec.attention.ascend.constants import FULL_MASK, TRITON, VARIANTS
 
 EXEC_MODE_ENV = "VLLM_TREESPEC_EXEC_MODE"            # "fused" | "reference"
 VARIANT_ENV = "VLLM_TREESPEC_ASCEND_VARIANT"         # one of VARIANTS
@@ -41,4 +41,8 @@ def resolve_settings(config_exec_mode: str, environ: dict[str, str]) -> AscendTr
     if flag not in ("0", "1"):
         raise TreeSpecConfigError(f"eagle3_tree: ${FULL_GRAPH_ENV} has invalid value "
                                   f"{flag!r}; allowed: '0' or '1'")
+    if variant == TRITON and flag == "1":
+        raise TreeSpecConfigError(f"eagle3_tree: ${VARIANT_ENV}={TRITON!r} launches a Triton "
+                                  f"kernel, which is not captured in ACL graphs; unset "
+                                  f"${FULL_GRAPH_ENV} or choose another variant")
     return AscendTreeSettings(exec_mode, variant, flag == "1")

@@ -1,0 +1,250 @@
+"""Paged tree attention for verify steps: one Triton kernel for every row kind.
+
+A verify step's query rows come in three kinds that one launch serves: a
+prefill chunk (causal inside its chunk), a decode row (a chunk of one) and the
+nodes of a draft tree. Every row of request ``b`` sees the request's committed
+prefix ``[0, ctx)`` (``ctx = seq_len - q_len``) in the paged cache; inside its
+own query block, row ``j`` sees block position ``j'`` iff
+
+* tree rows: bit ``j'`` of the row's ancestor bitmask is set (ancestor or self);
+* other rows: ``j' <= j`` (causal).
+
+The tree comes as a compact bitmask, ``ceil(T / 32)`` int32 words per row (T =
+the widest query block of a tree request), built once per step by
+:func:`tree_row_metadata` and shared by all layers. Nodes are in topological
+order (a parent before its children, as ``TreeBatch`` lays them out), so a
+row's keys end at its own slot: ``ctx + j + 1`` positions, the causal bound.
+
+The kernel reads K/V straight from the paged cache through ``block_table``
+(any ``[blocks, block_size, KVH, D]`` view, strides given: vLLM's layout,
+vllm-ascend's per-layer ``(K, V)`` pair with block size 128, or the CPU
+layout's permuted views) with an online softmax in float32, so the tree costs
+what a causal pass over the same keys costs plus one bit test per key. One
+program computes one query row for one KV head and all the query heads that
+share it (GQA), so K/V are read once per group.
+
+Portability (the same source is meant for triton-ascend, which compiles Triton
+for Ascend NPUs): only masked ``tl.load``/``tl.store``, ``tl.exp``/``tl.log``,
+``tl.max``/``tl.sum``/``tl.where``, integer shifts and a ``range`` loop with a
+runtime bound. Avoided: ``tl.dot`` (the tiles here are a handful of heads by a
+key tile, below the MMA minimum of 16 rows, and small-shape dot support differs
+between backends), atomics, block pointers / TMA descriptors, inline assembly,
+libdevice calls and 64-bit integer arithmetic inside the kernel loop. On
+Ascend, the grid's second axis (KV heads) is small; triton-ascend maps the
+programs onto its AI cores.
+
+Verified where: on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)
+against the reference (``tests/unit/test_kernel_tree_attention.py``). Not yet
+run on a CUDA GPU or an Ascend NPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+try:  # the package imports without triton; only launching needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+
+BITS_PER_WORD = 32
+
+
+@dataclasses.dataclass
+class TreeRowMetadata:
+    """Per query row facts of one verify step, shared by every layer.
+
+    req:   [N] int32  request of the row
+    ctx:   [N] int32  committed-prefix length of the row's request
+    node:  [N] int32  index of the row inside its request's query block
+    tree:  [N] int32  1 = the row follows ``bits``, 0 = causal
+    bits:  [N, W] int32  ancestor-or-self bitmask over the query block (tree rows)
+    """
+
+    req: torch.Tensor
+    ctx: torch.Tensor
+    node: torch.Tensor
+    tree: torch.Tensor
+    bits: torch.Tensor
+
+    @property
+    def num_words(self) -> int:
+        return self.bits.shape[1]
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """[..., T] bool -> [..., ceil(T/32)] int32, bit ``t % 32`` of word ``t // 32``."""
+    T = mask.shape[-1]
+    words = max(1, math.ceil(T / BITS_PER_WORD))
+    padded = torch.nn.functional.pad(mask.to(torch.int64), (0, words * BITS_PER_WORD - T))
+    shifts = torch.arange(BITS_PER_WORD, device=mask.device, dtype=torch.int64)
+    packed = (padded.view(*mask.shape[:-1], words, BITS_PER_WORD) << shifts).sum(-1)
+    # Two's complement: bit 31 set means a negative int32.
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def tree_row_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      tree_mask: torch.Tensor | None = None,
+                      is_tree: torch.Tensor | None = None) -> TreeRowMetadata:
+    """Row metadata from the reference's per-request description
+    (``PagedTreeAttentionMetadata``: query offsets, KV lengths, a ``[B, T, T]``
+    ancestor-or-self mask and which requests are trees). Vectorised: one call
+    per step, no per-request Python loop."""
+    qsl = query_start_loc.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    B = q_lens.shape[0]
+    dev = qsl.device
+    N = int(qsl[-1])
+    req = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=N)
+    node = torch.arange(N, device=dev) - qsl[:-1][req]
+    ctx = (seq_lens.long() - q_lens)[req]
+    if tree_mask is None:
+        bits = torch.zeros(N, 1, dtype=torch.int32, device=dev)
+        tree = torch.zeros(N, dtype=torch.int32, device=dev)
+    else:
+        T = tree_mask.shape[-1]
+        per_req = pack_bits(tree_mask.bool())                        # [B, T, W]
+        flags = (is_tree.bool() if is_tree is not None
+                 else torch.ones(B, dtype=torch.bool, device=dev))
+        in_mask = node < T
+        bits = per_req[req, node.clamp(max=T - 1)]
+        bits = torch.where(in_mask.unsqueeze(1), bits, torch.zeros_like(bits))
+        tree = (flags[req] & in_mask).to(torch.int32)
+        if bool(((q_lens > T) & flags).any()):
+            raise ValueError(f"a tree request has more query rows than its {T}-wide mask")
+    return TreeRowMetadata(req=req.to(torch.int32), ctx=ctx.to(torch.int32),
+                           node=node.to(torch.int32), tree=tree, bits=bits.contiguous())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_attention_kernel(
+            Q, K, V, O, LSE, block_table, row_req, row_ctx, row_node, row_tree, row_bits,
+            scale, block_size, num_words,
+            stride_qt, stride_qh, stride_qd,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_ot, stride_oh, stride_od, stride_bt,
+            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LSE: tl.constexpr):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.load(row_req + row)
+        ctx = tl.load(row_ctx + row)
+        j = tl.load(row_node + row)
+        is_tree = tl.load(row_tree + row)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        kv_len = ctx + j + 1
+        causal = (n * 0 + is_tree) == 0  # a block, not a scalar: masks stay int1
+        for start in range(0, kv_len, BLOCK_N):
+            pos = start + n
+            in_range = pos < kv_len
+            rel = tl.maximum(pos - ctx, 0)           # slot inside the query block
+            # Non-tree rows hold zero words (and prefill rows may run past them).
+            word = tl.load(row_bits + row * num_words + rel // 32,
+                           mask=in_range & (pos >= ctx) & (rel < num_words * 32), other=0)
+            bit = (word >> (rel % 32)) & 1
+            visible = in_range & ((pos < ctx) | causal | (bit != 0))
+            page = tl.load(block_table + b * stride_bt + pos // block_size,
+                           mask=in_range, other=0)
+            slot = pos % block_size
+            kv_mask = visible[:, None] & d_ok[None, :]
+            k = tl.load(K + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                        + kvh * stride_kh + d[None, :] * stride_kd,
+                        mask=kv_mask, other=0.0).to(tl.float32)            # [N, D]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)             # [G, N]
+            s = tl.where(visible[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A tile with nothing visible yet keeps m at -inf: shift by 0 instead.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            v = tl.load(V + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                        + kvh * stride_vh + d[None, :] * stride_vd,
+                        mask=kv_mask, other=0.0).to(tl.float32)            # [N, D]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        if HAS_LSE:
+            tl.store(LSE + row * GROUP * tl.num_programs(1) + heads, m_i + tl.log(l_i),
+                     mask=g_ok)
+
+
+def interpreter_enabled() -> bool:
+    """Whether the kernel was compiled for Triton's CPU interpreter: triton reads
+    ``TRITON_INTERPRET`` when the module is imported, not when it launches."""
+    return triton is not None and type(_tree_attention_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_launchable(query: torch.Tensor) -> None:
+    if triton is None:
+        raise RuntimeError("vllm_treespec.kernels.tree_attention needs the triton package "
+                           "(pip install triton, or triton-ascend on an Ascend NPU)")
+    if query.device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError("the Triton tree-attention kernel got CPU tensors, but no Triton "
+                           "device runs them: use a CUDA or Ascend (triton-ascend) device, "
+                           "or set TRITON_INTERPRET=1 before this module is imported "
+                           "(tests only: the interpreter is far too slow to serve)")
+
+
+def launch_config(device_type: str, head_size: int, group: int) -> dict:
+    """Tile sizes per backend. Key tile: 64 positions on GPUs (registers hold a
+    [group, 64, head] product); 128 on Ascend (its KV block size, one page per
+    tile); 16 under the interpreter (small shapes, fast tests)."""
+    block_n = {"cuda": 64, "npu": 128}.get(device_type, 16)
+    return {"BLOCK_N": block_n, "BLOCK_G": triton.next_power_of_2(group),
+            "BLOCK_D": triton.next_power_of_2(head_size)}
+
+
+def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_table: torch.Tensor, block_size: int, rows: TreeRowMetadata,
+                   scale: float, out: torch.Tensor | None = None,
+                   return_lse: bool = False):
+    """Attention of packed ``query`` [N, H, D] over a paged cache.
+
+    key_cache / value_cache: [blocks, block_size, KVH, D] views (any strides)
+    already holding this step's K/V; block_table [B, max_blocks] int32; rows from
+    :func:`tree_row_metadata`. Returns ``out`` [N, H, D] in the query's dtype,
+    and with ``return_lse`` also the log-sum-exp of the scaled scores [N, H]
+    (float32), for merging with another pass.
+    """
+    _check_launchable(query)
+    N, H, D = query.shape
+    KVH = key_cache.shape[2]
+    if H % KVH:
+        raise ValueError(f"{H} query heads do not group over {KVH} KV heads")
+    if key_cache.shape[1] != block_size or value_cache.shape != key_cache.shape:
+        raise ValueError(f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} "
+                         f"do not match block_size {block_size}")
+    group = H // KVH
+    if out is None:
+        out = torch.empty_like(query)
+    lse = torch.empty(N, H, dtype=torch.float32, device=query.device) if return_lse else out
+    if N:
+        bt = block_table.to(torch.int32).contiguous()
+        cfg = launch_config(query.device.type, D, group)
+        _tree_attention_kernel[(N, KVH)](
+            query, key_cache, value_cache, out, lse, bt, rows.req, rows.ctx, rows.node,
+            rows.tree, rows.bits, float(scale), block_size, rows.num_words,
+            *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+            bt.stride(0), GROUP=group, HEAD_DIM=D, HAS_LSE=return_lse, **cfg)
+    return (out, lse) if return_lse else out
