@@ -117,13 +117,15 @@ def bench_shape(B: int, T: int, P: int, H=32, KVH=8, D=128, dtype=torch.bfloat16
     return r
 
 
-def metadata_ms(B: int = 64, M: int = 64, repeats: int = 20) -> float:
-    """CPU time to build the per-row bitmask metadata of a B x (1 + M) step."""
+def metadata_ms(B: int = 64, M: int = 64, repeats: int = 100) -> float:
+    """CPU time to build the per-row bitmask metadata of a B x (1 + M) step, warm
+    (as every step after the first: the first calls pay for fresh allocations)."""
     T = M + 1
     mask = random_tree_mask(random.Random(0), B, T, chain=False)
     qsl = torch.arange(0, B * T + 1, T, dtype=torch.int32)
     seq = torch.full((B,), 1024 + T, dtype=torch.int32)
-    tree_row_metadata(qsl, seq, mask)
+    for _ in range(20):
+        tree_row_metadata(qsl, seq, mask)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
