@@ -158,8 +158,12 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
     dev = logits.device
     num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
     first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
-    # 1. vLLM's sampler on one row per request (non-tree requests' output).
-    base = sampler(logits=logits[first_rows], sampling_metadata=md)
+    # 1. vLLM's sampler on one row per request: the output of requests without a
+    #    tree, and the logprobs layout. Tree requests' rows are overwritten below,
+    #    so a greedy batch of trees only (the common batch-1 step) skips it.
+    skip_base = (step.tree.batch_size == num_reqs and md.all_greedy
+                 and md.max_num_logprobs is None)
+    base = None if skip_base else sampler(logits=logits[first_rows], sampling_metadata=md)
     # 2. Tree requests: node distributions and acceptance.
     processed = processed_node_logits(logits, step, md)
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
@@ -171,10 +175,12 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
     width = acc.tokens.shape[1]
     out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32, device=dev)
-    out[:, 0] = base.sampled_token_ids[:, 0]
+    if base is not None:
+        out[:, 0] = base.sampled_token_ids[:, 0]
     out[step.req_index] = acc.tokens.to(torch.int32)
     logprobs = None
-    if md.max_num_logprobs is not None and base.logprobs_tensors is not None:
+    if base is not None and md.max_num_logprobs is not None \
+            and base.logprobs_tensors is not None:
         logprobs = _logprobs(sampler, logits, processed, step, md, acc, base, width)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs), acc
 
