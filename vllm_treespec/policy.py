@@ -154,6 +154,12 @@ class AdaptiveBudget:
     RATE_PER_TREE = 0.02  # acceptance estimates: weight of one verified tree
     RATE_OFF_PROBE = 0.15  # ... of a tree verified by a probe while speculation is off
     PRIOR_TREES = 4.0     # weight of an acceptance prior, in trees
+    # The branching extra: each branching step moves its estimate by at most
+    # this fraction (a stalled step must not price trees out), and each chain
+    # step forgets this fraction of what it says beyond the chain table (see
+    # observe_step: while chains win, no branching step can correct it).
+    BRANCH_STEP_CLAMP = 0.25
+    BRANCH_EXTRA_DECAY = 0.01
 
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
                  probe_every: int = 32, seed: int = 0):
@@ -222,9 +228,23 @@ class AdaptiveBudget:
             return
         if branching:
             n, t = self._branching_steps or (num_tokens, seconds)
+            c = self.BRANCH_STEP_CLAMP
+            seconds = min(max(seconds, (1.0 - c) * t), (1.0 + c) * t)
             self._branching_steps = (0.8 * n + 0.2 * num_tokens, 0.8 * t + 0.2 * seconds)
         else:
             self.step_cost.add(num_tokens, seconds)
+            if self._branching_steps is not None:
+                # Served on the CPU (traced): two slow branching steps set the
+                # extra to ~10 ms, chains won from then on, so no branching step
+                # came to correct it, and depth-3 chains (10 ms of drafting,
+                # 0.3 accepted) ran for two whole requests while a depth-1 tree
+                # gained 12 % over them. Forgetting the excess while chains run
+                # lets trees be tried again: the next ones re-measure it.
+                n, t = self._branching_steps
+                chain = self.step_cost(n)
+                if chain is not None and t > chain:
+                    t = chain + (1.0 - self.BRANCH_EXTRA_DECAY) * (t - chain)
+                    self._branching_steps = (n, t)
         # The extra is re-derived from what branching steps cost against the
         # table as it is now, not frozen when they ran: the table starts at the
         # startup sweep (dummy forwards, without the sampler and the step's

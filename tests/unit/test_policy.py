@@ -192,10 +192,44 @@ def test_the_branching_extra_follows_the_table_to_live_scale():
     for _ in range(60):  # off steps or chains: plain steps at live cost
         p.observe_step(1, 0.0158 + 0.005)
     assert p.step_cost(1) == pytest.approx(0.0208, abs=0.001)
-    # Most of the 5 ms left the extra (the table's shape between knots keeps a little).
+    # Most of the 5 ms left the extra (the table's shape between knots keeps a
+    # little), and what is left fades while only chains run (nothing re-measures
+    # it): the prediction errs toward trying the tree again, not away from it.
     assert 0.0015 < p.branch_cost < 0.0045
-    assert p.predicted_ratio(1, 1) == pytest.approx(1.55 * 0.0208 / 0.0235, rel=0.08)
+    true_ratio = 1.55 * 0.0208 / 0.0235
+    assert true_ratio * 0.92 <= p.predicted_ratio(1, 1) <= 1.55 * 1.02
     assert p.plan_depth(1) == 1
+
+
+def _branching_policy(extra: float) -> AdaptiveBudget:
+    p = policy(base=0.028, per_token=0.0016)
+    for _ in range(40):
+        p.observe_step(5, 0.028 + 0.0016 * 5 + extra, branching=True)
+    return p
+
+
+@pytest.mark.parametrize("clamp, bound", [(AdaptiveBudget.BRANCH_STEP_CLAMP, (0.0, 0.006)),
+                                          (100.0, (0.012, 1.0))])  # control: unclamped
+def test_two_stalled_branching_steps_do_not_price_trees_out(monkeypatch, clamp, bound):
+    monkeypatch.setattr(AdaptiveBudget, "BRANCH_STEP_CLAMP", clamp)
+    p = _branching_policy(0.002)
+    assert p.branch_cost == pytest.approx(0.002, abs=0.0005)
+    for _ in range(2):  # a page-fault storm, a pause: 3x the usual step
+        p.observe_step(5, 3 * (0.028 + 0.0016 * 5 + 0.002), branching=True)
+    assert bound[0] < p.branch_cost < bound[1]
+
+
+@pytest.mark.parametrize("decay, bound", [(AdaptiveBudget.BRANCH_EXTRA_DECAY, (0.0, 0.0015)),
+                                          (0.0, (0.009, 0.011))])  # control: no decay
+def test_a_high_branching_extra_fades_while_chains_run(monkeypatch, decay, bound):
+    """Seen served: an extra of ~10 ms kept trees out for two whole requests,
+    since only a branching step could correct it and chains won every step."""
+    monkeypatch.setattr(AdaptiveBudget, "BRANCH_EXTRA_DECAY", decay)
+    p = _branching_policy(0.010)
+    assert p.branch_cost == pytest.approx(0.010, abs=0.0005)
+    for _ in range(200):
+        p.observe_step(2, 0.028 + 0.0016 * 2)
+    assert bound[0] < p.branch_cost < bound[1]
 
 
 def test_selected_nodes_are_each_requests_best():
