@@ -29,7 +29,8 @@ for Ascend NPUs): only masked ``tl.load``/``tl.store``, ``tl.exp``/``tl.log``,
 runtime bound. Avoided: ``tl.dot`` (the tiles here are a handful of heads by a
 key tile, below the MMA minimum of 16 rows, and small-shape dot support differs
 between backends), atomics, block pointers / TMA descriptors, inline assembly,
-libdevice calls and 64-bit integer arithmetic inside the kernel loop. On
+libdevice calls. The only 64-bit integers are the cache offsets (a cache can
+exceed 2^31 elements). On
 Ascend, the grid's second axis (KV heads) is small; triton-ascend maps the
 programs onto its AI cores.
 
@@ -165,8 +166,9 @@ if triton is not None:
                            mask=in_range & (pos >= ctx) & (rel < num_words * 32), other=0)
             bit = (word >> (rel % 32)) & 1
             visible = in_range & ((pos < ctx) | causal | (bit != 0))
+            # int64: a whole cache can exceed 2^31 elements (block id x block stride).
             page = tl.load(block_table + b * stride_bt + pos // block_size,
-                           mask=in_range, other=0)
+                           mask=in_range, other=0).to(tl.int64)
             slot = pos % block_size
             kv_mask = visible[:, None] & d_ok[None, :]
             k = tl.load(K + page[:, None] * stride_kb + slot[:, None] * stride_ks
@@ -211,10 +213,11 @@ def _check_launchable(query: torch.Tensor) -> None:
 
 
 def launch_config(device_type: str, head_size: int, group: int) -> dict:
-    """Tile sizes per backend. Key tile: 64 positions on GPUs (registers hold a
-    [group, 64, head] product); 128 on Ascend (its KV block size, one page per
-    tile); 16 under the interpreter (small shapes, fast tests)."""
-    block_n = {"cuda": 64, "npu": 128}.get(device_type, 16)
+    """Tile sizes per backend, untuned until measured on a device. Key tile: 32
+    positions on GPUs (the [group, keys, head] product lives in registers: 4 x 32
+    x 128 floats for a 4:1 GQA layer); 128 on Ascend (its KV block size, one page
+    per tile); 16 under the interpreter (small shapes, fast tests)."""
+    block_n = {"cuda": 32, "npu": 128}.get(device_type, 16)
     return {"BLOCK_N": block_n, "BLOCK_G": triton.next_power_of_2(group),
             "BLOCK_D": triton.next_power_of_2(head_size)}
 
