@@ -104,9 +104,7 @@ def main(argv=None) -> int:
     engines = {m: LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
                       enable_prefix_caching=False, speculative_config=specs[m],
                       max_num_seqs=1) for m in methods}
-    # First turns only (as served_ab.py): a second MT-Bench turn needs an answer.
-    turns = [t for t in pangu240.build_turns(4 * args.prompts)
-             if t.depends_on is None][:args.prompts]
+    turns = pangu240.first_turns(args.prompts)
     if args.chat:
         tokenizer = next(iter(engines.values())).get_tokenizer()
         prompts = [tokenizer.apply_chat_template(t.messages, add_generation_prompt=True,

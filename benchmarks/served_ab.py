@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
                "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
-    # First turns only: a second MT-Bench turn would need each method's own answer.
-    turns = [t for t in pangu240.build_turns(4 * args.turns) if t.depends_on is None]
-    turns = turns[:args.turns]
+    turns = pangu240.first_turns(args.turns)
     log = lambda msg: print(f"[served_ab] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
     servers: dict[str, Server] = {}

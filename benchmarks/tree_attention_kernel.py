@@ -39,20 +39,20 @@ if not HAS_CUDA:
 from vllm_treespec.kernels.tree_attention import tree_attention, tree_row_metadata  # noqa: E402
 
 
-def random_tree_mask(rng: random.Random, B: int, T: int, chain: bool) -> torch.Tensor:
+def random_tree_mask(rng: random.Random, B: int, T: int) -> torch.Tensor:
     """[B, T, T] ancestor-or-self masks; node i's parent is one of the 4 nodes
-    before it (bushy, topological), or i - 1 for chains."""
+    before it (bushy, topological)."""
     mask = torch.zeros(B, T, T, dtype=torch.bool)
     for b in range(B):
         for i in range(T):
             if i:
-                parent = i - 1 if chain else rng.randrange(max(0, i - 4), i)
+                parent = rng.randrange(max(0, i - 4), i)
                 mask[b, i] = mask[b, parent]
             mask[b, i, i] = True
     return mask
 
 
-def make_case(B: int, T: int, P: int, H: int, KVH: int, D: int, dtype, dev, chain: bool,
+def make_case(B: int, T: int, P: int, H: int, KVH: int, D: int, dtype, dev,
               block_size: int = 16, seed: int = 0):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -63,7 +63,7 @@ def make_case(B: int, T: int, P: int, H: int, KVH: int, D: int, dtype, dev, chai
     k_cache = torch.randn(B * nblk, block_size, KVH, D, generator=gen).to(dtype).to(dev)
     v_cache = torch.randn(B * nblk, block_size, KVH, D, generator=gen).to(dtype).to(dev)
     q = torch.randn(B * T, H, D, generator=gen).to(dtype).to(dev)
-    mask = random_tree_mask(rng, B, T, chain).to(dev)
+    mask = random_tree_mask(rng, B, T).to(dev)
     qsl = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=dev)
     seq = torch.full((B,), L, dtype=torch.int32, device=dev)
     return q, k_cache, v_cache, block_table, qsl, seq, mask
@@ -94,7 +94,7 @@ def cuda_ms(fn, repeats: int = 50) -> float:
 def bench_shape(B: int, T: int, P: int, H=32, KVH=8, D=128, dtype=torch.bfloat16) -> dict:
     dev = "cuda"
     scale = D ** -0.5
-    q, kc, vc, bt, qsl, seq, mask = make_case(B, T, P, H, KVH, D, dtype, dev, chain=False)
+    q, kc, vc, bt, qsl, seq, mask = make_case(B, T, P, H, KVH, D, dtype, dev)
     rows = tree_row_metadata(qsl, seq, mask)
     chain_rows = tree_row_metadata(qsl, seq)  # causal rows: the kernel without bit tests
     L = P + T
@@ -121,7 +121,7 @@ def metadata_ms(B: int = 64, M: int = 64, repeats: int = 100) -> float:
     """CPU time to build the per-row bitmask metadata of a B x (1 + M) step, warm
     (as every step after the first: the first calls pay for fresh allocations)."""
     T = M + 1
-    mask = random_tree_mask(random.Random(0), B, T, chain=False)
+    mask = random_tree_mask(random.Random(0), B, T)
     qsl = torch.arange(0, B * T + 1, T, dtype=torch.int32)
     seq = torch.full((B,), 1024 + T, dtype=torch.int32)
     for _ in range(20):
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         from vllm_treespec.attention import PagedTreeAttentionMetadata, paged_tree_attention
 
         q, kc, vc, bt, qsl, seq, mask = make_case(2, 5, 21, 4, 2, 16, torch.float32, "cpu",
-                                                  chain=False, block_size=4)
+                                                  block_size=4)
         got = tree_attention(q, kc, vc, bt, 4, tree_row_metadata(qsl, seq, mask), 0.25)
         ref = paged_tree_attention(q, kc, vc, PagedTreeAttentionMetadata(
             qsl, seq, bt, 4, tree_mask=mask), 0.25)

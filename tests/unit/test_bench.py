@@ -23,6 +23,13 @@ vllm:num_requests_running{engine="0",model_name="m"} 2.0 1700000000000
 """
 
 
+def test_first_turns_skip_turns_that_need_an_answer_and_keep_the_order():
+    first = pangu240.first_turns(12)
+    assert len(first) == 12 and all(t.depends_on is None for t in first)
+    every_first = [t for t in pangu240.build_turns() if t.depends_on is None]
+    assert [t.turn_id for t in first] == [t.turn_id for t in every_first[:12]]
+
+
 def test_pangu240_has_240_interleaved_turns_and_second_turns_use_first_answers():
     turns = pangu240.build_turns()
     assert len(turns) == 240

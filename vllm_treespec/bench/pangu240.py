@@ -81,6 +81,12 @@ def build_turns(limit: int | None = None) -> list[Turn]:
     return turns[:limit] if limit else turns
 
 
+def first_turns(n: int) -> list[Turn]:
+    """The first ``n`` turns that need no earlier answer (a second MT-Bench turn
+    would need each method's own answer), in interleaved order."""
+    return [t for t in build_turns(4 * n) if t.depends_on is None][:n]
+
+
 def materialize(turns: list[Turn], answer: Callable[[Turn], str],
                 known: dict[str, str] | None = None) -> list[Turn]:
     """Fill every second turn with the model's first answer (generated with
