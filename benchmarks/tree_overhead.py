@@ -27,7 +27,6 @@ from vllm_treespec.tree import (
     greedy_accept,
     stochastic_accept,
     tree_mask,
-    tree_positions,
 )
 
 DRAFT_VOCAB = 8192   # typical EAGLE-3 draft vocabulary
@@ -55,7 +54,7 @@ def one_step(B, M, top_k, depth, inputs, stochastic: bool):
         builder.next_level(lp)
     tree = builder.finish(target_argmax[:, 0])
     tree_mask(tree)
-    tree_positions(tree, prefix)
+    prefix.unsqueeze(1) + tree.depth  # rotary positions: prefix + depth
     if stochastic:
         acc = stochastic_accept(tree, target_probs)
     else:

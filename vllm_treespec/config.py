@@ -1,16 +1,28 @@
 """User-facing knobs of the ``eagle3_tree`` speculative method.
 
-Pure Python (no vLLM import): the vLLM glue hands us the tree keys of
-``--speculative-config`` and we validate them here, at startup. Every error
-names the key, the value it got and what is allowed, so that a bad flag fails
-before a model is loaded rather than mid-serving.
+No vLLM import: the vLLM glue hands us the tree keys of ``--speculative-config``
+and we validate them here, at startup, with a pydantic model (types and ranges
+as field constraints, the relations between keys in one model validator). Every
+error names the key, the value it got and what is allowed, so that a bad flag
+fails before a model is loaded rather than mid-serving.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # Ranges. The node budget bounds the verify query per request (1 + num_nodes
 # tokens); depth bounds the number of drafter forwards per step.
@@ -29,21 +41,6 @@ def _fail(key: str, value: Any, allowed: str) -> TreeSpecConfigError:
         f"eagle3_tree: speculative-config key {key!r} has invalid value {value!r}; "
         f"allowed: {allowed}"
     )
-
-
-def _int_in(key: str, value: Any, lo: int, hi: int) -> int:
-    # bool is an int subclass; `"depth": true` is a typo, not a depth of 1.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
-    if not lo <= value <= hi:
-        raise _fail(key, value, f"an integer in [{lo}, {hi}]")
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(key, value, "true or false")
-    return value
 
 
 def validate_choices(choices: Any, key: str = "choices") -> tuple[tuple[int, ...], ...]:
@@ -80,8 +77,34 @@ def validate_choices(choices: Any, key: str = "choices") -> tuple[tuple[int, ...
     return tuple(paths)
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeSpecConfig:
+# What each key allows, in the words of the error messages (pydantic's own
+# messages would not say the range).
+_ALLOWED = {
+    "num_nodes": "an integer in [{}, {}]".format(*NUM_NODES_RANGE),
+    "depth": "an integer in [{}, {}]".format(*DEPTH_RANGE),
+    "top_k": "an integer in [{}, {}]".format(*TOP_K_RANGE),
+    "exec_mode": " or ".join(repr(m) for m in EXEC_MODES),
+    "validate_invariants": "true or false",
+    "adaptive": "true or false",
+    "trace_dir": "a directory path (string) or null",
+}
+
+
+def _from_validation(error: ValidationError) -> TreeSpecConfigError:
+    """The first problem pydantic found, worded as key, value and what is allowed."""
+    first = error.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, TreeSpecConfigError):  # raised by our own validators
+        return cause
+    key = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return TreeSpecConfigError(
+            f"eagle3_tree: unknown speculative-config key(s) [{key!r}]; "
+            f"tree keys are {list(TreeSpecConfig.keys())}")
+    return _fail(key, first["input"], _ALLOWED.get(key, first["msg"]))
+
+
+class TreeSpecConfig(BaseModel):
     """Validated settings of the ``eagle3_tree`` method.
 
     num_nodes: node budget M — draft tokens verified per request per step
@@ -101,14 +124,53 @@ class TreeSpecConfig:
         false, every request gets the full ``num_nodes``/``depth`` tree.
     """
 
-    num_nodes: int = 32
-    depth: int = 6
-    top_k: int = 8
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # Strict types: bool is an int subclass, and `"depth": true` is a typo, not 1.
+    num_nodes: StrictInt = Field(32, ge=NUM_NODES_RANGE[0], le=NUM_NODES_RANGE[1])
+    depth: StrictInt = Field(6, ge=DEPTH_RANGE[0], le=DEPTH_RANGE[1])
+    top_k: StrictInt = Field(8, ge=TOP_K_RANGE[0], le=TOP_K_RANGE[1])
     choices: tuple[tuple[int, ...], ...] | None = None
-    exec_mode: str = "fused"
-    validate_invariants: bool = False
-    trace_dir: str | None = None
-    adaptive: bool = True
+    exec_mode: Literal[EXEC_MODES] = "fused"  # type: ignore[valid-type]
+    validate_invariants: StrictBool = False
+    trace_dir: StrictStr | None = Field(None, min_length=1)
+    adaptive: StrictBool = True
+
+    def __init__(self, **data: Any) -> None:
+        # Direct construction fails the way from_dict does.
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise _from_validation(e) from None
+
+    @field_validator("choices", mode="before")
+    @classmethod
+    def _paths(cls, choices: Any) -> Any:
+        return None if choices is None else validate_choices(choices)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TreeSpecConfig":
+        if self.choices is not None:
+            paths = self.choices
+            for key, implied in (("num_nodes", len(paths)),
+                                 ("depth", max(len(p) for p in paths))):
+                if getattr(self, key) != implied:
+                    raise _fail(key, getattr(self, key),
+                                f"{implied} (implied by 'choices'), or leave it out")
+            least = max(p[-1] for p in paths) + 1
+            if self.top_k < least:
+                raise _fail("top_k", self.top_k, f"an integer in [{least}, {TOP_K_RANGE[1]}]")
+            return self
+        if self.depth > self.num_nodes:
+            raise _fail("depth", self.depth,
+                        f"an integer in [1, num_nodes={self.num_nodes}] (a tree of "
+                        f"{self.num_nodes} nodes is at most {self.num_nodes} deep)")
+        if self.num_nodes > self.max_candidates():
+            raise _fail("num_nodes", self.num_nodes,
+                        f"an integer in [1, {self.max_candidates()}]: a tree of depth "
+                        f"{self.depth} with top_k {self.top_k} holds at most "
+                        f"{self.max_candidates()} candidates")
+        return self
 
     # --- derived -------------------------------------------------------
     @property
@@ -127,42 +189,14 @@ class TreeSpecConfig:
         """T = 1 + M: query tokens of one request in a verify step."""
         return 1 + self.num_nodes
 
-    # --- construction --------------------------------------------------
-    def __post_init__(self) -> None:
-        # Validation lives here so that direct construction is checked too.
-        if self.choices is not None:
-            paths = validate_choices(self.choices)
-            object.__setattr__(self, "choices", paths)
-            for key, implied in (("num_nodes", len(paths)),
-                                 ("depth", max(len(p) for p in paths))):
-                if getattr(self, key) != implied:
-                    raise _fail(key, getattr(self, key),
-                                f"{implied} (implied by 'choices'), or leave it out")
-            _int_in("top_k", self.top_k, max(p[-1] for p in paths) + 1, TOP_K_RANGE[1])
-        else:
-            _int_in("num_nodes", self.num_nodes, *NUM_NODES_RANGE)
-            _int_in("depth", self.depth, *DEPTH_RANGE)
-            _int_in("top_k", self.top_k, *TOP_K_RANGE)
-            if self.depth > self.num_nodes:
-                raise _fail("depth", self.depth,
-                            f"an integer in [1, num_nodes={self.num_nodes}] (a tree of "
-                            f"{self.num_nodes} nodes is at most {self.num_nodes} deep)")
-            if self.num_nodes > self.max_candidates():
-                raise _fail("num_nodes", self.num_nodes,
-                            f"an integer in [1, {self.max_candidates()}]: a tree of depth "
-                            f"{self.depth} with top_k {self.top_k} holds at most "
-                            f"{self.max_candidates()} candidates")
-        if self.exec_mode not in EXEC_MODES:
-            raise _fail("exec_mode", self.exec_mode, " or ".join(repr(m) for m in EXEC_MODES))
-        _bool("validate_invariants", self.validate_invariants)
-        _bool("adaptive", self.adaptive)
-        if self.trace_dir is not None and (not isinstance(self.trace_dir, str)
-                                           or not self.trace_dir):
-            raise _fail("trace_dir", self.trace_dir, "a directory path (string) or null")
+    def max_candidates(self) -> int:
+        """Candidates a dynamic tree ranks: K at depth 1, K*K at each deeper level."""
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
+    # --- construction --------------------------------------------------
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(cls.model_fields)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any] | None) -> "TreeSpecConfig":
@@ -184,11 +218,7 @@ class TreeSpecConfig:
         return cls(**raw)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = self.model_dump()
         if self.choices is not None:
             out["choices"] = [list(p) for p in self.choices]
         return out
-
-    def max_candidates(self) -> int:
-        """Candidates a dynamic tree ranks: K at depth 1, K*K at each deeper level."""
-        return self.top_k + (self.depth - 1) * self.top_k * self.top_k

@@ -7,8 +7,9 @@
 * When an invariant check fails (``validate_invariants``), the failing batch is
   dumped to ``treespec-failure-<time>.json`` (in ``trace_dir`` or the temp dir)
   and the step continues safely (see the runner / proposer).
-* Cumulative counters are written atomically to ``$VLLM_TREESPEC_STATS_FILE``
-  so the API server can export them on ``/metrics`` and in its periodic log.
+* Cumulative counters are written atomically to one file per engine in
+  ``$VLLM_TREESPEC_STATS_DIR`` (``stats_path``) so the API server can export
+  them on ``/metrics`` and in its periodic log.
 
 No vLLM import here.
 """
@@ -23,12 +24,19 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger("vllm.treespec")
 
 TRACE_ENV = "VLLM_TREESPEC_TRACE_DIR"
-STATS_ENV = "VLLM_TREESPEC_STATS_FILE"
+STATS_ENV = "VLLM_TREESPEC_STATS_DIR"
+
+
+def stats_path(engine_index: int) -> str | None:
+    """The stats file of one engine (data-parallel rank), or None without a
+    frontend that reads it."""
+    directory = os.environ.get(STATS_ENV)
+    return str(Path(directory) / f"engine-{engine_index}.json") if directory else None
 
 
 def _versions() -> dict[str, str]:
@@ -72,12 +80,32 @@ class TraceWriter:
         self._file.write(json.dumps({"step": self._step, "t": round(time.time(), 4),
                                      **record}) + "\n")
 
-    def close(self) -> None:
-        self._file.close()
-
 
 def trace_dir_from(setting: str | None) -> str | None:
     return setting or os.environ.get(TRACE_ENV) or None
+
+
+def validated(tree, vocab_size: int, repair: Callable, describe: Callable,
+              trace_dir: str | None):
+    """``tree`` (a ``TreeBatch``) once every request's tree passes ``validate``.
+
+    A malformed request tree is dumped (``describe(error, tree)`` is the payload)
+    and replaced by ``repair(tree, request)``, a safe stand-in: the step goes on
+    for every request. A repair that fails validation again raises.
+    """
+    from vllm_treespec.tree import TreeInvariantError
+
+    repaired: set[int] = set()
+    while True:
+        try:
+            tree.validate(vocab_size=vocab_size)
+            return tree
+        except TreeInvariantError as err:
+            if err.request in repaired:
+                raise
+            repaired.add(err.request)
+            dump_failure(err, describe(err, tree), trace_dir)
+            tree = repair(tree, err.request)
 
 
 def dump_failure(error: Exception, payload: dict[str, Any], directory: str | None) -> Path:

@@ -9,7 +9,8 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "draft_faults": N | null (every N-th drafter forward raises)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
-       "seconds": float, "preemptions": int, "prefix_cache_hits": int}
+       "seconds": float, "preemptions": int, "prefix_cache_hits": int,
+       "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
 
 Each engine runs in a fresh process so tests never share vLLM global state.
 """
@@ -73,10 +74,17 @@ def main(spec_path: str, out_path: str) -> None:
     def counter(name: str) -> float:
         return sum(getattr(m, "value", 0) for m in metrics if m.name == name)
 
+    def vector(name: str) -> list[int] | None:
+        return next((list(m.values) for m in metrics if m.name == name), None)
+
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
                    "preemptions": counter("vllm:num_preemptions"),
-                   "prefix_cache_hits": counter("vllm:prefix_cache_hits")}, f)
+                   "prefix_cache_hits": counter("vllm:prefix_cache_hits"),
+                   "spec_decode": {
+                       "draft_tokens": counter("vllm:spec_decode_num_draft_tokens"),
+                       "accepted_per_pos": vector(
+                           "vllm:spec_decode_num_accepted_tokens_per_pos")}}, f)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,19 @@ def test_a_sliding_window_model_fails_before_its_weights_load(target_dir, random
     log = (engine_dir / "sliding_window.log").read_text()
     assert "eagle3_tree does not support sliding-window attention layers (window 64)" in log
     assert "Loading weights took" not in log
+
+
+def test_a_drafter_for_another_model_fails_before_vllm_reads_it(target_dir, random_drafter,
+                                                                tmp_path):
+    import shutil
+
+    from vllm_treespec.config import TreeSpecConfigError
+
+    broken = shutil.copytree(random_drafter, tmp_path / "drafter")
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps(dict(config, vocab_size=32000)))
+    with pytest.raises(TreeSpecConfigError, match="vocab_size 32000 in config.json"):
+        engine_config(target_dir, {"method": "eagle3_tree", "model": str(broken)})
+    with pytest.raises(TreeSpecConfigError, match="'model' has invalid value '/no/such/dir'"):
+        engine_config(target_dir, {"method": "eagle3_tree", "model": "/no/such/dir"})
+

@@ -106,6 +106,12 @@ def test_n_greater_than_one_at_temperature(servers):
     assert len(resp.choices) == 4
     assert all(c.message.content for c in resp.choices)
     assert len({c.message.content for c in resp.choices}) > 1
+    # A seeded request reproduces, trees and all (each request samples, drafts
+    # and accepts with its own seeded generator).
+    again = tree.client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[3]}],
+        max_tokens=24, temperature=1.0, n=4, seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
 
 
 def test_concurrent_requests(servers):

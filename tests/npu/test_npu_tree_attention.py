@@ -12,7 +12,7 @@ import torch
 
 torch_npu = pytest.importorskip("torch_npu")
 
-from vllm_treespec import npu_check  # noqa: E402
+from vllm_treespec.commands import npu_check  # noqa: E402
 from vllm_treespec.attention.ascend.constants import FULL_MASK  # noqa: E402
 from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse  # noqa: E402
 

@@ -399,7 +399,7 @@ def test_modules_do_not_import_torch_npu():
     code = ("import sys; import vllm_treespec.attention.ascend.synthetic, "
             "vllm_treespec.attention.ascend.graphs, vllm_treespec.attention.ascend.settings, "
             "vllm_treespec.vllm_glue.ascend, "
-            "vllm_treespec.attention.emulation, vllm_treespec.npu_check; "
+            "vllm_treespec.attention.emulation, vllm_treespec.commands.npu_check; "
             "assert 'torch_npu' not in sys.modules and 'vllm_ascend' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -548,7 +548,7 @@ def test_settings_from_config_and_environment():
 
 
 def test_npu_check_runs_through_the_emulation(tmp_path, capsys):
-    from vllm_treespec import npu_check
+    from vllm_treespec.commands import npu_check
 
     report = tmp_path / "report.json"
     assert npu_check.main(["--emulate", "--quick", "--json", str(report)]) == 0

@@ -3,7 +3,7 @@
 import torch
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
-from vllm_treespec.vllm_glue.runner import _CPUDevice
+from vllm_treespec.vllm_glue.cpu_runner import _CPUDevice
 
 
 class _Allocator:

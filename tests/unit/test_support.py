@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import support
@@ -52,3 +59,77 @@ def test_more_than_one_kv_cache_group_is_refused():
     support.check_kv_cache_groups(1)
     with pytest.raises(TreeSpecConfigError, match="2 KV-cache groups"):
         support.check_kv_cache_groups(2)
+
+
+# --- the drafter checkpoint, checked against the target before vLLM reads it ---
+
+SMOLLM2_TARGET = SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+SHIPPED = Path(__file__).resolve().parents[2] / "vllm_treespec/drafters/smollm2-135m-eagle3"
+
+
+@pytest.fixture
+def drafter_copy(tmp_path) -> Path:
+    out = tmp_path / "drafter"
+    shutil.copytree(SHIPPED, out)
+    return out
+
+
+def _edit_config(drafter: Path, **changes) -> None:
+    config = json.loads((drafter / "config.json").read_text())
+    config.update(changes)
+    (drafter / "config.json").write_text(json.dumps(config))
+
+
+def test_the_shipped_drafter_fits_its_target():
+    support.check_drafter(str(SHIPPED), SMOLLM2_TARGET)
+
+
+def test_a_hub_id_is_left_to_vllm():
+    support.check_drafter("someone/some-eagle3-head", SMOLLM2_TARGET)
+
+
+@pytest.mark.parametrize("model", ["/no/such/drafter", "./no-such-drafter", "~/no-such-drafter"])
+def test_a_missing_drafter_path_is_refused_naming_the_key(model):
+    with pytest.raises(TreeSpecConfigError, match=f"'model' has invalid value '{re.escape(model)}'"):
+        support.check_drafter(model, SMOLLM2_TARGET)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"target_hidden_size": 960}, "hidden states of size 960"),
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 31]}},
+     "eagle_aux_hidden_state_layer_ids [2, 15, 31]"),
+    ({"vocab_size": 32000}, "vocab_size 32000"),
+])
+def test_a_drafter_for_another_target_is_refused(drafter_copy, changes, needle):
+    _edit_config(drafter_copy, **changes)
+    with pytest.raises(TreeSpecConfigError) as err:
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    assert needle in str(err.value) and str(drafter_copy) in str(err.value)
+
+
+def test_a_truncated_checkpoint_is_refused_naming_the_file(drafter_copy):
+    weights = drafter_copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(TreeSpecConfigError, match="model.safetensors.*not a readable"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_weights_shaped_for_another_target_are_refused(drafter_copy):
+    # config.json says 576 but the fc layer was trained on 3 x 960 inputs
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(drafter_copy / "model.safetensors")
+    weights["fc.weight"] = torch.zeros(576, 3 * 960)
+    save_file(weights, drafter_copy / "model.safetensors")
+    with pytest.raises(TreeSpecConfigError, match=r"fc.weight has shape \[576, 2880\]"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_draft_vocabulary_map_beyond_the_target_is_refused(drafter_copy):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(drafter_copy / "model.safetensors")
+    weights["d2t"][-1] += SMOLLM2_TARGET.vocab_size  # maps the last draft token past the end
+    save_file(weights, drafter_copy / "model.safetensors")
+    with pytest.raises(TreeSpecConfigError, match="d2t maps draft tokens to target ids"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)

@@ -7,14 +7,18 @@ the device paths are tested against and the eager fallback on any device.
 """
 
 from vllm_treespec.attention import cpu_layout
-from vllm_treespec.attention.metadata import DraftTreeLevelMetadata, TreeVerifyRows
-from vllm_treespec.attention.reference import (
+from vllm_treespec.attention.metadata import (
+    DraftTreeLevelMetadata,
     PagedTreeAttentionMetadata,
+    TreeVerifyRows,
+)
+from vllm_treespec.attention.reference import (
     attention_mask,
     gather_paged_kv,
     paged_tree_attention,
     prefix_side_attention,
 )
 
-__all__ = ["cpu_layout", "DraftTreeLevelMetadata", "TreeVerifyRows", "PagedTreeAttentionMetadata", "attention_mask", "gather_paged_kv",
+__all__ = ["cpu_layout", "DraftTreeLevelMetadata", "TreeVerifyRows",
+           "PagedTreeAttentionMetadata", "attention_mask", "gather_paged_kv",
            "paged_tree_attention", "prefix_side_attention"]

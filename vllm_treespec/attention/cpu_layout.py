@@ -18,7 +18,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from vllm_treespec.attention.reference import PagedTreeAttentionMetadata, attention_mask
+from vllm_treespec.attention.metadata import PagedTreeAttentionMetadata
+from vllm_treespec.attention.reference import attention_mask
 
 
 def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,34 +14,10 @@ Grouped-query attention: query head h reads KV head ``h // (H / KVH)``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
-
-@dataclasses.dataclass
-class PagedTreeAttentionMetadata:
-    """What every tree-attention backend receives, besides q and the cache.
-
-    query_start_loc: [B+1] int  token offsets of each request's queries
-    seq_lens:        [B]   int  KV length per request, this step's tokens included
-    block_table:     [B, max_blocks] int  physical block of each logical block
-    block_size:      tokens per KV block
-    tree_mask:       [B, Tq, Tq] bool or None — intra-query mask of tree rows
-                     (ancestor-or-self); ignored for non-tree rows
-    is_tree:         [B] bool or None — which rows use ``tree_mask`` (others causal)
-    max_query_len / max_seq_len: host-side bounds (avoid a device sync when given)
-    """
-
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    block_size: int
-    tree_mask: torch.Tensor | None = None
-    is_tree: torch.Tensor | None = None
-    max_query_len: int | None = None
-    max_seq_len: int | None = None
+from vllm_treespec.attention.metadata import PagedTreeAttentionMetadata
 
 
 def gather_paged_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int,

@@ -274,7 +274,6 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
     if state["step"] == 0 and not state["history"]:
         do_eval()
 
-    t_start = time.time()
     secs_at_start = state["train_seconds"]
     bar = tqdm(total=total, initial=state["step"], desc="train", unit="step")
     model.train()

@@ -7,6 +7,8 @@ from vllm_treespec.tree.accept import (
     apply_compaction,
     compaction_plan,
     greedy_accept,
+    position_samples,
+    positional_accept,
     stochastic_accept,
 )
 from vllm_treespec.tree.build import (
@@ -15,17 +17,13 @@ from vllm_treespec.tree.build import (
     StaticTopology,
     StaticTreeBuilder,
 )
-from vllm_treespec.tree.mask import (
-    ancestor_bitmask,
-    bitmask_to_mask,
-    tree_mask,
-    tree_positions,
-)
+from vllm_treespec.tree.mask import tree_mask
 from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
 
 __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
-    "ancestor_bitmask", "apply_compaction", "bitmask_to_mask", "compaction_plan",
-    "greedy_accept", "stochastic_accept", "tree_mask", "tree_positions",
+    "apply_compaction", "compaction_plan", "greedy_accept", "position_samples",
+    "positional_accept", "stochastic_accept",
+    "tree_mask",
 ]

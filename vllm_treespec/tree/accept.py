@@ -18,6 +18,16 @@ per-node Python loops (the stochastic walk loops over depth only):
   bonus token from p with the children removed. Every emitted token is then
   distributed exactly as the target model's next-token distribution.
 
+* positional (temperature > 0, a seeded request): the randomness of every
+  sequence position is fixed in advance, an Exp(1) vector E_pos per position,
+  and the token at a position is argmax(p / E_pos) (the exponential race: exact
+  sampling from p). A node samples with the noise of its position, and a child
+  is accepted iff it is its parent's sample, i.e. the greedy walk over samples
+  instead of argmaxes. It accepts each child as often as the rule above (both
+  sum p over the children) and emits exactly the sequence plain decoding with
+  the same noise would, whatever the tree: a seeded request reproduces even
+  when the adaptive budget drafts different trees on another run.
+
 The accepted path's nodes sit at KV slots ``prefix + idx_k``; the commit copies
 them to ``prefix + k`` so the cache looks as if the accepted tokens had been
 decoded one by one (idx_k >= k, and nothing to do when idx_k == k for all k).
@@ -50,19 +60,6 @@ class Acceptance:
     path: torch.Tensor
     num_accepted: torch.Tensor
     tokens: torch.Tensor
-
-    @property
-    def num_emitted(self) -> torch.Tensor:
-        return self.num_accepted + 1
-
-    @property
-    def last_node(self) -> torch.Tensor:
-        """[B] deepest accepted node (whose output produced the bonus token)."""
-        return torch.gather(self.path, 1, self.num_accepted.unsqueeze(1)).squeeze(1)
-
-    @property
-    def bonus(self) -> torch.Tensor:
-        return torch.gather(self.tokens, 1, self.num_accepted.unsqueeze(1)).squeeze(1)
 
     def where(self, take_self: torch.Tensor, other: "Acceptance") -> "Acceptance":
         """Per-request choice between two results (e.g. greedy vs stochastic rows)."""
@@ -100,6 +97,25 @@ def greedy_accept(tree: TreeBatch, target_argmax: torch.Tensor) -> Acceptance:
     bonus = torch.gather(target_argmax, 1, best.unsqueeze(1)).squeeze(1)
     return Acceptance(path=path, num_accepted=num_accepted,
                       tokens=_emitted_tokens(tree, path, num_accepted, bonus))
+
+
+def positional_accept(tree: TreeBatch, target_probs: torch.Tensor,
+                      noise: torch.Tensor) -> Acceptance:
+    """Acceptance with per-position randomness (see module docstring).
+
+    target_probs: [B, T, V] as for ``stochastic_accept``; noise: [B, D+1, V]
+    Exp(1) draws of the positions after the root (depth d samples position
+    root + 1 + d), at least ``tree.max_depth + 1`` of them.
+    """
+    return greedy_accept(tree, position_samples(target_probs, tree.depth, noise))
+
+
+def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
+                     noise: torch.Tensor) -> torch.Tensor:
+    """[B, T] each node's sample, argmax(p / E) with the noise of its position
+    (``depth`` [B, T], ``noise`` [B, D+1, V] as in ``positional_accept``)."""
+    rows = torch.arange(depth.shape[0], device=depth.device).unsqueeze(1)
+    return torch.argmax(target_probs.float() / noise[rows, depth], dim=-1)
 
 
 def stochastic_accept(tree: TreeBatch, target_probs: torch.Tensor,

@@ -277,7 +277,6 @@ class StaticTopology:
     parent: tuple[int, ...]   # per node; parent[0] = 0
     depth: tuple[int, ...]
     rank: tuple[int, ...]     # child rank (which top-k slot the token comes from)
-    paths: tuple[tuple[int, ...], ...]
 
     @classmethod
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> "StaticTopology":
@@ -291,7 +290,7 @@ class StaticTopology:
             parent.append(index[p[:-1]])
             depth.append(len(p))
             rank.append(p[-1])
-        return cls(tuple(parent), tuple(depth), tuple(rank), tuple([()] + paths))
+        return cls(tuple(parent), tuple(depth), tuple(rank))
 
     @property
     def num_nodes(self) -> int:

@@ -15,3 +15,13 @@ def install() -> None:
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args
 
     patch_engine_args()
+
+
+def forget_resolved_backends() -> None:
+    """Drop vLLM's cache of resolved attention backends: one resolved in this
+    process before a tree backend was registered must not stay in use."""
+    try:
+        from vllm.v1.attention import selector
+        selector._cached_get_attn_backend.cache_clear()
+    except AttributeError:
+        pass

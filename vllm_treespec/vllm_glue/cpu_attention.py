@@ -31,7 +31,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_treespec.attention import DraftTreeLevelMetadata, TreeVerifyRows, cpu_layout
 from vllm_treespec.attention.chain_split import ChainSplitPlan, split_into_chains
 from vllm_treespec.attention.cpu_layout import kv_views
-from vllm_treespec.vllm_glue import support
+from vllm_treespec.vllm_glue import forget_resolved_backends, support
 
 
 def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
@@ -151,15 +151,8 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
         B, F, D = md.batch_size, md.width, self.head_size
-        side = getattr(self, "_side_kv", None)
-        if (side is None or side.shape[1] < B or side.shape[2] < md.side_capacity
-                or side.dtype != key.dtype):
-            side = torch.zeros(2, B, md.side_capacity, self.num_kv_heads, D,
-                               dtype=key.dtype, device=key.device)
-            self._side_kv = side
-        lo, hi = md.side_offset, md.side_offset + F
-        side[0, :B, lo:hi] = key[: B * F].view(B, F, self.num_kv_heads, D)
-        side[1, :B, lo:hi] = value[: B * F].view(B, F, self.num_kv_heads, D)
+        side = self._side_kv = md.write_side_kv(getattr(self, "_side_kv", None), key, value)
+        hi = md.side_offset + F
         prefix = md.scratch.get(id(self))
         if prefix is None:  # the committed prefix is the same for every level
             prefix = md.scratch[id(self)] = cpu_layout.gather_prefix(
@@ -185,8 +178,4 @@ def install() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN,
                      f"{TreeCPUAttentionBackend.__module__}.{TreeCPUAttentionBackend.__qualname__}")
-    try:  # a backend resolved earlier in this process must not stay cached
-        from vllm.v1.attention import selector
-        selector._cached_get_attn_backend.cache_clear()
-    except AttributeError:
-        pass
+    forget_resolved_backends()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
 import torch
 
-from vllm_treespec.observability import STATS_ENV, StatsFile, TraceWriter, trace_dir_from
+from vllm_treespec.observability import StatsFile, TraceWriter, stats_path, trace_dir_from
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -77,7 +76,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 class TreeMetrics:
     def __init__(self, trace: TraceWriter | None = None, stats_path: str | None = None,
-                 log_interval_s: float = 10.0):
+                 log_interval_s: float | None = 10.0):
         self.total = Totals()
         self.window = Totals()
         self.trace = trace
@@ -105,7 +104,11 @@ class TreeMetrics:
                                vllm_config.scheduler_config.max_num_batched_tokens,
                            "block_size": vllm_config.cache_config.block_size,
                            "device": str(vllm_config.device_config.device)}})
-        return cls(trace=trace, stats_path=os.environ.get(STATS_ENV))
+        # One publisher (and logger) per engine, its first worker; one file per engine.
+        parallel = vllm_config.parallel_config
+        if parallel.rank != 0:
+            return cls(trace=trace, log_interval_s=None)
+        return cls(trace=trace, stats_path=stats_path(parallel.data_parallel_rank))
 
     def _both(self):
         return (self.total, self.window)

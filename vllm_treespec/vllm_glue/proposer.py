@@ -268,22 +268,22 @@ class TreeEagleProposer(EagleProposer):
     def _checked(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
-        from vllm_treespec.observability import dump_failure, trace_dir_from
-        from vllm_treespec.tree import TreeInvariantError
+        from vllm_treespec.observability import trace_dir_from, validated
 
+        req_ids = self.runner.input_batch.req_ids
         keep = trees.num_nodes.clone()
-        while True:
-            try:
-                trees.validate(vocab_size=self.runner.input_batch.vocab_size)
-                return trees
-            except TreeInvariantError as err:
-                req_ids = self.runner.input_batch.req_ids
-                dump_failure(err, {"stage": "draft", "request_id": req_ids[err.request],
-                                   "trees": trees.to_lists(), "prefix_len": prefix_len.tolist(),
-                                   "req_ids": list(req_ids[: trees.batch_size])},
-                             trace_dir_from(self.tree_cfg.trace_dir))
-                keep[err.request] = 0
-                trees = trees.truncated(keep)
+
+        def describe(err, trees):
+            return {"stage": "draft", "request_id": req_ids[err.request],
+                    "trees": trees.to_lists(), "prefix_len": prefix_len.tolist(),
+                    "req_ids": list(req_ids[: trees.batch_size])}
+
+        def without_drafts(trees, b):
+            keep[b] = 0
+            return trees.truncated(keep)
+
+        return validated(trees, self.runner.input_batch.vocab_size, without_drafts, describe,
+                         trace_dir_from(self.tree_cfg.trace_dir))
 
     def _side_capacity(self) -> int:
         """Side-buffer columns one drafting step can use (all forwarded levels)."""

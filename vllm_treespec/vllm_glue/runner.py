@@ -16,7 +16,6 @@ Per step, for requests whose scheduled draft tokens are a tree:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -24,12 +23,13 @@ import numpy as np
 import torch
 
 from vllm_treespec.policy import AdaptiveBudget
-from vllm_treespec.tree import TreeBatch, apply_compaction, compaction_plan, tree_mask
+from vllm_treespec.tree import TreeBatch, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
-from vllm_treespec.attention.cpu_layout import kv_views
+from vllm_treespec.vllm_glue.calibration import StepCostCalibration
+from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
-from vllm_treespec.vllm_glue import cpu_linear, support
+from vllm_treespec.vllm_glue import support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
@@ -39,7 +39,7 @@ from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, 
 logger = logging.getLogger("vllm.treespec")
 
 
-class TreeRunnerMixin:
+class TreeRunnerMixin(StepCostCalibration):
     """Mixed into a vLLM model runner class; inert for batches without trees."""
 
     def __init__(self, vllm_config, device):
@@ -69,48 +69,6 @@ class TreeRunnerMixin:
         if not kwargs.get("is_profiling", args[0] if args else False):
             self._calibrate_kernels()
             self._calibrate_step_cost()
-
-    def _calibrate_kernels(self) -> None:
-        """Device hook: choose kernels by timing forwards (``_time_forward``)."""
-
-    def _time_forward(self, n: int, repeats: int = 3) -> float:
-        """Best-of seconds of a forward (+ logits) over n tokens, drafter excluded.
-        The drafter's dummy pass (all its steps) is not part of a verify step's
-        cost, and it made the sweeps slow and noisy."""
-        drafter = getattr(self, "drafter", None)
-        if drafter is not None:
-            drafter.dummy_run = lambda *args, **kwargs: None
-        try:
-            times = []
-            for _ in range(repeats):
-                self._sync_device()
-                t0 = time.perf_counter()
-                out = call_on_fresh_chunk(self._dummy_run, n)  # as live steps run
-                hidden = out[0] if isinstance(out, tuple) else out
-                self.model.compute_logits(hidden[:n])
-                self._sync_device()  # device time, not launch time
-                times.append(time.perf_counter() - t0)
-            return min(times)
-        finally:
-            if drafter is not None:
-                del drafter.dummy_run  # the class's method again
-
-    # Verified-token counts timed at startup: dense where decode batches live.
-    CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-
-    def _calibrate_step_cost(self) -> None:
-        """Seed the adaptive budget's step-cost table: time forwards (+ logits) of
-        a sweep of token counts. Live steps refine it."""
-        policy = self.tree_policy
-        if policy is None:
-            return
-        limit = self.scheduler_config.max_num_batched_tokens
-        for n in (n for n in self.CALIBRATION_SIZES if n <= limit):
-            policy.step_cost.set_knot(n, self._time_forward(n, 3 if n <= 64 else 1))
-        cost = policy.step_cost
-        logger.info("eagle3_tree: step cost %s (adaptive budget)",
-                    ", ".join(f"{int(n)} tok {1e3 * t:.1f} ms"
-                              for n, t in zip(cost.n, cost.t) if n in (1, 4, 16, 64, 256)))
 
     def sample_tokens(self, grammar_output):
         out = call_on_fresh_chunk(super().sample_tokens, grammar_output)
@@ -238,29 +196,21 @@ class TreeRunnerMixin:
     def _checked(self, tree: TreeBatch, entries, roots, prefix) -> TreeBatch:
         """Validate the scheduled trees; a malformed one is verified as a chain of
         the same drafts instead (always correct) and the batch is dumped."""
-        from vllm_treespec.observability import dump_failure, trace_dir_from
-        from vllm_treespec.tree import TreeInvariantError
+        from vllm_treespec.observability import trace_dir_from, validated
 
-        as_chain: set[int] = set()
-        while True:
-            try:
-                tree.validate(vocab_size=self.input_batch.vocab_size)
-                return tree
-            except TreeInvariantError as err:
-                b = err.request
-                if b in as_chain:  # a chain of in-vocabulary drafts is always valid
-                    raise
-                as_chain.add(b)
-                dump_failure(err, {"stage": "verify",
-                                   "request_id": self.input_batch.req_ids[entries[b][0]],
-                                   "trees": tree.to_lists(), "prefix_len": prefix.tolist()},
-                             trace_dir_from(self.tree_cfg.trace_dir))
-                n = len(entries[b][1])
-                entries[b] = (entries[b][0], entries[b][1], list(range(n)), 0.0)
-                tree = TreeBatch.from_parents(
-                    [[r] + e[1] for r, e in zip(roots, entries)], [[0] + e[2] for e in entries],
-                    tree_size=tree.tree_size, max_children=tree.max_children,
-                    device=self.device)
+        def describe(err, tree):
+            request_id = self.input_batch.req_ids[entries[err.request][0]]
+            return {"stage": "verify", "request_id": request_id, "trees": tree.to_lists(),
+                    "prefix_len": prefix.tolist()}
+
+        def as_chain(tree, b):  # a chain of in-vocabulary drafts is always valid
+            entries[b] = (entries[b][0], entries[b][1], list(range(len(entries[b][1]))), 0.0)
+            return TreeBatch.from_parents(
+                [[r] + e[1] for r, e in zip(roots, entries)], [[0] + e[2] for e in entries],
+                tree_size=tree.tree_size, max_children=tree.max_children, device=self.device)
+
+        return validated(tree, self.input_batch.vocab_size, as_chain, describe,
+                         trace_dir_from(self.tree_cfg.trace_dir))
 
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)
@@ -334,100 +284,7 @@ class TreeRunnerMixin:
         return out
 
     def _commit(self, step: VerifyStep, acc) -> None:
-        """Move the accepted path to the front: KV of every layer, ids, hidden states."""
-        plan = compaction_plan(acc)
-        if bool(plan.needs_copy.any()):
-            bt = self.input_batch.block_table[0]
-            block_table = bt.get_device_tensor(step.num_reqs)[step.req_index]
-            src, dst = plan.slots(step.prefix_len, block_table, bt.block_size)
-            for views in self._kv_layer_views():
-                for view in views:
-                    apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
-            moves = plan.src != plan.dst
-            tok_src = (step.token_start.unsqueeze(1) + plan.src)[moves]
-            tok_dst = (step.token_start.unsqueeze(1) + plan.dst)[moves]
-            buffers = [self.input_ids.gpu]
-            if step.hidden_states is not None:
-                buffers.append(step.hidden_states)
-            buffers += list(step.aux_hidden_states or [])
-            for buf in buffers:
-                buf[tok_dst] = buf[tok_src]
-        # Linear positions again: the drafter's first pass reads a plain chain.
-        tree = step.tree
-        flat = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
-        lin = (step.prefix_len.unsqueeze(1) + tree.node_index)[tree.valid]
-        self.positions[flat] = lin
-
-
-class _CPUDevice:
-    """The CPU parts: the KV-cache layout, scratch blocks for verifying trees as
-    chains (``chain_split``), and linear layers that verify a few tokens at close
-    to one token's cost (``cpu_linear``)."""
-
-    # Blocks reserved past the scheduler's in every layer's cache: enough for a
-    # batch-1 tree of 8 branches (a branch whose path crosses a block boundary
-    # takes two). A step that needs more verifies its trees with torch instead.
-    SPARE_BLOCKS = 8
-
-    def _kv_views(self, cache: torch.Tensor):
-        return kv_views(cache, cache.shape[-1] // 2)
-
-    def _allocate_kv_cache_tensors(self, kv_cache_config):
-        """vLLM sizes each layer's cache by the scheduler's block count; we add
-        ``SPARE_BLOCKS`` pages at the end, which the scheduler never hands out
-        (the block count is derived from the tensor size when it is reshaped)."""
-        num = kv_cache_config.num_blocks
-        tensors = kv_cache_config.kv_cache_tensors
-        if any(t.block_stride or t.size % num for t in tensors):  # packed layouts: none
-            return super()._allocate_kv_cache_tensors(kv_cache_config)
-        extra = self.SPARE_BLOCKS
-        grown = dataclasses.replace(kv_cache_config, kv_cache_tensors=[
-            dataclasses.replace(t, size=t.size // num * (num + extra)) for t in tensors])
-        self._spare_bytes = sum(t.size // num * extra for t in tensors)
-        return super()._allocate_kv_cache_tensors(grown)
-
-    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        num = kv_cache_config.num_blocks
-        shapes = {tuple(c.shape) for c in self.kv_caches if c is not None}
-        if getattr(self, "_spare_bytes", 0) and all(s[0] == num + self.SPARE_BLOCKS
-                                                    for s in shapes):
-            self.tree_spare_blocks = list(range(num, num + self.SPARE_BLOCKS))
-            logger.info("eagle3_tree: %d spare KV blocks (%.1f MiB) verify trees as chains "
-                        "with the native attention kernel", self.SPARE_BLOCKS,
-                        self._spare_bytes / 2**20)
-
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        if cpu_linear.enabled():
-            models = [self.model] + ([self.drafter.model] if hasattr(self, "drafter") else [])
-            dtype = self.model_config.dtype
-            self._small_m_layers = cpu_linear.install(models, dtype)
-            if not self._small_m_layers:
-                return
-            # Before compilation: a dispatcher that never picks W @ x^T only costs.
-            rows, timings = cpu_linear.calibrate(cpu_linear.layer_timer(models, dtype))
-            if not rows:
-                cpu_linear.uninstall(models)
-                self._small_m_layers = 0
-                logger.info("eagle3_tree: linear layers keep oneDNN's kernels (faster here "
-                            "for every row count; layer ms oneDNN/W @ x^T by rows: %s)",
-                            _timings_text(timings))
-
-    def _calibrate_kernels(self) -> None:
-        if not getattr(self, "_small_m_layers", 0):
-            return
-        limit = self.scheduler_config.max_num_batched_tokens
-        rows, timings = cpu_linear.calibrate(lambda n: self._time_forward(n, repeats=1),
-                                             range(2, min(cpu_linear.MAX_ROWS, limit) + 1))
-        logger.info("eagle3_tree: %d linear layers use W @ x^T for %s-row inputs; forward "
-                    "ms oneDNN/W @ x^T by rows: %s", self._small_m_layers, rows or "no",
-                    _timings_text(timings))
-
-
-def _timings_text(timings: dict[int, tuple[float, float]]) -> str:
-    return ", ".join(f"{n}: {1e3 * a:.1f}/{1e3 * b:.1f}" for n, (a, b) in timings.items())
-
-
-def tree_cpu_runner_class(base: type) -> type:
-    return type("TreeCPUModelRunner", (_CPUDevice, TreeRunnerMixin, base), {})
+        bt = self.input_batch.block_table[0]
+        commit_accepted(step, acc, bt.get_device_tensor(step.num_reqs)[step.req_index],
+                        bt.block_size, self._kv_layer_views(), self.input_ids.gpu,
+                        self.positions)

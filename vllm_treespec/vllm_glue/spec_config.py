@@ -117,36 +117,24 @@ def _select_worker(parallel_config: Any) -> None:
 
 
 def _enable_frontend_metrics() -> None:
-    """Hand tree counters from the worker to this (frontend) process.
+    """Hand tree counters from the workers to this (frontend) process.
 
-    The stats file path is passed through the environment, which the engine and
-    worker processes started after this point inherit; vLLM's stat-logger list
-    gets the tree logger appended (only in this process, only in tree mode).
+    The stats directory is passed through the environment, which the engine and
+    worker processes started after this point inherit; this process removes it
+    at exit. The tree stat logger (``stat_logger``) comes in through vLLM's
+    ``vllm.stat_logger_plugins`` entry-point group.
     """
+    import atexit
     import os
+    import shutil
     import tempfile
 
     from vllm_treespec.observability import STATS_ENV
 
     if not os.environ.get(STATS_ENV):
-        fd, path = tempfile.mkstemp(prefix="vllm-treespec-stats-", suffix=".json")
-        os.close(fd)
-        os.environ[STATS_ENV] = path
-    try:
-        import vllm.v1.engine.async_llm as async_llm
-    except ImportError:
-        return
-    original = async_llm.load_stat_logger_plugin_factories
-    if getattr(original, "_treespec_wrapped", False):
-        return
-
-    def factories():
-        from vllm_treespec.vllm_glue.stat_logger import TreeStatLogger
-
-        return [*original(), TreeStatLogger]
-
-    factories._treespec_wrapped = True  # type: ignore[attr-defined]
-    async_llm.load_stat_logger_plugin_factories = factories
+        directory = tempfile.mkdtemp(prefix="vllm-treespec-stats-")
+        os.environ[STATS_ENV] = directory
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
 
 def _spec_dict(engine_args: Any) -> dict[str, Any] | None:
@@ -188,6 +176,8 @@ def patch_engine_args() -> None:
 
             support.check_vllm_version(getattr(vllm, "__version__", "unknown"))
             stock, tree = translate(spec, _stock_keys())
+            target = kwargs.get("target_model_config", args[0] if args else None)
+            support.check_drafter(str(stock["model"]), target.hf_text_config)
             if getattr(self, "async_scheduling", None):
                 raise TreeSpecConfigError(
                     f"{METHOD}: engine argument 'async_scheduling' has invalid value "

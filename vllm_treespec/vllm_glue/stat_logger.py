@@ -1,9 +1,11 @@
 """Frontend export of tree metrics: Prometheus ``/metrics`` and the periodic log.
 
-The worker publishes cumulative counters to ``$VLLM_TREESPEC_STATS_FILE``; this
-stat logger (added to vLLM's stat loggers only when ``eagle3_tree`` is
-configured) turns them into Prometheus series on every engine step and logs a
-summary at vLLM's log interval. Series:
+Each engine's worker publishes cumulative counters to its file in
+``$VLLM_TREESPEC_STATS_DIR`` (``observability.stats_path``); this stat logger,
+which vLLM loads through its ``vllm.stat_logger_plugins`` entry-point group
+(one per engine, inert unless ``eagle3_tree`` is configured), turns them into
+Prometheus series on every engine step and logs a summary at vLLM's log
+interval. Series:
 
     vllm_treespec:trees_total, vllm_treespec:draft_nodes_total,
     vllm_treespec:emitted_tokens_total (accepted drafts + bonus),
@@ -15,12 +17,11 @@ summary at vLLM's log interval. Series:
 from __future__ import annotations
 
 import logging
-import os
 
 import prometheus_client
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from vllm_treespec.observability import STATS_ENV, StatsFile
+from vllm_treespec.observability import StatsFile, stats_path
 from vllm_treespec.vllm_glue.metrics import format_summary, summarize
 
 logger = logging.getLogger("vllm.treespec")
@@ -36,8 +37,14 @@ def _metric(kind, name, doc, labels=()):
 
 class TreeStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
-        self.path = os.environ.get(STATS_ENV)
+        from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
+        # vLLM creates plugin loggers for every model it serves; only trees export.
+        self.active = tree_config_from_vllm(vllm_config) is not None
+        self.path = stats_path(engine_index) if self.active else None
         self.engine_index = engine_index
+        if not self.active:
+            return
         self.model = vllm_config.model_config.served_model_name
         self._seen: dict | None = None
         self._logged: dict | None = None
@@ -58,6 +65,8 @@ class TreeStatLogger(StatLoggerBase):
                                  "Mean draft tree size since start")
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if not self.active:
+            return
         now = StatsFile.read(self.path)
         if now is None or now == self._seen:
             return
@@ -83,7 +92,7 @@ class TreeStatLogger(StatLoggerBase):
         self._seen = now
 
     def log(self):
-        now = self._seen
+        now = getattr(self, "_seen", None)
         if now is None:
             return
         base = self._logged
@@ -99,4 +108,5 @@ class TreeStatLogger(StatLoggerBase):
         self._logged = now
 
     def log_engine_initialized(self):
-        logger.info("eagle3_tree: tree metrics exported as vllm_treespec:* on /metrics")
+        if self.active:
+            logger.info("eagle3_tree: tree metrics exported as vllm_treespec:* on /metrics")

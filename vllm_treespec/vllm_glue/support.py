@@ -6,6 +6,9 @@ Everything that reads those slots some other way would be silently wrong, so
 each such feature is refused here with a message that names it:
 
 * ``check_vllm_version``: the glue hooks vLLM internals of one release;
+* ``check_drafter``: a drafter checkpoint that cannot serve this target
+  (missing, unreadable, or shaped for another model), checked from its files
+  before vLLM reads them;
 * ``check_engine``: engine-level features, checked on the finished
   ``VllmConfig`` in the frontend, before any process loads a model;
 * ``check_attention_layer``: per-layer attention features, checked when the
@@ -18,7 +21,9 @@ the attention backends hand them vLLM's objects.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfigError
@@ -46,6 +51,74 @@ def check_vllm_version(found: str) -> None:
         f"eagle3_tree: this vllm-treespec supports vLLM {SUPPORTED_VLLM}; found vLLM "
         f"{found!r}. Install vLLM {SUPPORTED_VLLM}, or set {ALLOW_UNTESTED_ENV}=1 to try "
         f"anyway (untested: verify greedy identity before serving)")
+
+
+def _bad_drafter(where: Path | str, what: str) -> TreeSpecConfigError:
+    return TreeSpecConfigError(f"eagle3_tree: drafter {str(where)!r}: {what}")
+
+
+def check_drafter(model: str, target: Any) -> None:
+    """The drafter named by speculative-config ``model`` fits ``target`` (the
+    target's HF text config): without this, a wrong checkpoint fails mid-load
+    with a shape error, or loads and drafts from the wrong layers. A name that
+    is not a local path is a hub id, left to vLLM."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        if path.exists() or path.is_absolute() or model.startswith((".", "~")):
+            raise TreeSpecConfigError(
+                f"eagle3_tree: speculative-config key 'model' has invalid value {model!r}; "
+                f"allowed: a directory holding an EAGLE-3 drafter (config.json and "
+                f"*.safetensors), or a hub model id")
+        return
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise _bad_drafter(path / "config.json", f"unreadable ({e})") from None
+    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    if hidden != target.hidden_size:
+        raise _bad_drafter(path, f"trained on hidden states of size {hidden} "
+                                 f"(config.json target_hidden_size / hidden_size); the "
+                                 f"target's hidden_size is {target.hidden_size}")
+    layer_ids = config.get("eagle_aux_hidden_state_layer_ids") or (
+        config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = target.num_hidden_layers
+    if layer_ids is not None and not all(
+            isinstance(i, int) and 0 <= i < layers for i in layer_ids):
+        raise _bad_drafter(path, f"eagle_aux_hidden_state_layer_ids {layer_ids} in "
+                                 f"config.json; the target has layers 0..{layers - 1}")
+    if config.get("vocab_size") != target.vocab_size:
+        raise _bad_drafter(path, f"vocab_size {config.get('vocab_size')} in config.json; "
+                                 f"the target's vocab_size is {target.vocab_size}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise _bad_drafter(path, "no *.safetensors weights in the directory")
+    for file in files:
+        _check_drafter_weights(file, 3 * hidden, target.vocab_size)
+
+
+def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> None:
+    """Readable (a truncated copy fails here), fc sized for three target hidden
+    states, and every draft token mapped (``d2t``) into the target vocabulary."""
+    import torch
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, "pt") as weights:
+            keys = set(weights.keys())
+            fc = weights.get_slice("fc.weight").get_shape() if "fc.weight" in keys else None
+            d2t = weights.get_tensor("d2t") if "d2t" in keys else None
+    except Exception as e:  # safetensors raises its own error types
+        raise _bad_drafter(file, f"not a readable safetensors file ({e}); copy or "
+                                 f"export the drafter again") from None
+    if fc is not None and fc[-1] != fc_inputs:
+        raise _bad_drafter(file, f"fc.weight has shape {list(fc)}; an EAGLE-3 drafter of "
+                                 f"this target needs {fc_inputs} inputs (3 x hidden_size)")
+    if d2t is not None:
+        target_ids = torch.arange(d2t.numel()) + d2t.flatten()
+        if target_ids.numel() and not (0 <= int(target_ids.min()) and int(target_ids.max()) < vocab):
+            raise _bad_drafter(file, f"d2t maps draft tokens to target ids "
+                                     f"{int(target_ids.min())}..{int(target_ids.max())}; the "
+                                     f"target vocabulary is 0..{vocab - 1}")
 
 
 def check_engine(vllm_config: Any) -> None:

@@ -35,6 +35,7 @@ from vllm_treespec.tree import (
     Acceptance,
     TreeBatch,
     greedy_accept,
+    position_samples,
     stochastic_accept,
 )
 
@@ -152,6 +153,41 @@ def _random_draws(step: VerifyStep, md, vocab: int) -> tuple[torch.Tensor, torch
     return uniforms, noise
 
 
+def _position_noise(seed: int, first: int, count: int, vocab: int,
+                    device: torch.device) -> torch.Tensor:
+    """[count, vocab] Exp(1) noise of positions ``first ..`` of a seeded request,
+    each drawn from a generator keyed by (seed, position): the same noise for a
+    position whatever trees earlier steps drafted (a stream would be advanced by
+    however many draws those trees took)."""
+    out = torch.empty(count, vocab, device=device)
+    for j in range(count):
+        gen = torch.Generator(device=device)
+        gen.manual_seed(hash((seed, first + j)) & (2**63 - 1))
+        out[j].exponential_(generator=gen)
+    return out
+
+
+def _seeded_acceptance(step: VerifyStep, md, processed: torch.Tensor, probs: torch.Tensor,
+                       greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
+    """Sampled seeded requests accept with per-position noise (``positional_accept``):
+    their output then depends on the seed alone, not on the trees the adaptive
+    budget drafted (timing-dependent), so the same request reproduces."""
+    seeded = [(i, md.generators[b].initial_seed())
+              for i, b in enumerate(step.req_index.tolist())
+              if b in (md.generators or {}) and not bool(greedy[i])]
+    if not seeded:
+        return acc
+    tree = step.tree
+    rows = torch.tensor([i for i, _ in seeded], device=probs.device)
+    noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, tree.max_depth + 1,
+                                         probs.shape[-1], probs.device) for i, seed in seeded])
+    samples = processed.argmax(-1)
+    samples[rows] = position_samples(probs[rows], tree.depth[rows], noise)
+    take = torch.zeros(tree.batch_size, dtype=torch.bool, device=probs.device)
+    take[rows] = True
+    return greedy_accept(tree, samples).where(take, acc)
+
+
 def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
                       step: VerifyStep) -> tuple[SamplerOutput, Acceptance]:
     num_reqs = step.num_reqs
@@ -173,6 +209,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
         probs = node_probs(processed, step, md)
         uniforms, noise = _random_draws(step, md, probs.shape[-1])
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
+        acc = _seeded_acceptance(step, md, processed, probs, greedy, acc)
     width = acc.tokens.shape[1]
     out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32, device=dev)
     if base is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_treespec.vllm_glue import cpu_attention
-from vllm_treespec.vllm_glue.runner import tree_cpu_runner_class
+from vllm_treespec.vllm_glue.cpu_runner import tree_cpu_runner_class
 
 
 class TreeCPUWorker(CPUWorker):

@@ -30,7 +30,7 @@ class TreeAttentionBuffers:
         self.H, self.KVH, self.D = num_heads, num_kv_heads, head_size
         self.dtype, self.device = dtype, torch.device(device)
         self.max_blocks, self.block_size = int(max_blocks), int(block_size)
-        R, T = self.max_reqs, self.T
+        R = self.max_reqs
         # Full-mask windows: request slot b's tree columns start at window_ctx[b]
         # and repeat the last of window_len[b] nodes. (0, 1) = column 0, already 0.
         self.window_ctx = torch.zeros(R, dtype=torch.long, device=self.device)

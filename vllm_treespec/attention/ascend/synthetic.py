@@ -24,11 +24,8 @@ from vllm_treespec.attention.ascend.calls import causal_paged_call, compressed_c
 from vllm_treespec.attention.ascend.constants import ASCEND_BLOCK_SIZE, FULL_MASK, TREE_SPARSE
 from vllm_treespec.attention.ascend.execute import HeadConfig, run_tree_verify
 from vllm_treespec.attention.ascend.plans import TreeAttentionPlan, plan_tree_rows
-from vllm_treespec.attention.metadata import TreeVerifyRows
-from vllm_treespec.attention.reference import (
-    PagedTreeAttentionMetadata,
-    paged_tree_attention,
-)
+from vllm_treespec.attention.metadata import PagedTreeAttentionMetadata, TreeVerifyRows
+from vllm_treespec.attention.reference import paged_tree_attention
 
 
 @dataclasses.dataclass

@@ -69,6 +69,7 @@ from vllm_treespec.attention.ascend.settings import (
     resolve_settings,
 )
 from vllm_treespec.config import TreeSpecConfigError
+from vllm_treespec.vllm_glue import forget_resolved_backends
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 # vllm-ascend's metadata builder asserts 1 + num_speculative_tokens <= 16 ("FIA TND
@@ -132,11 +133,7 @@ def install_backend() -> None:
 
     get_attn_backend_cls._treespec_wrapped = True  # type: ignore[attr-defined]
     NPUPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    try:  # a backend resolved earlier in this process must not stay cached
-        from vllm.v1.attention import selector
-        selector._cached_get_attn_backend.cache_clear()
-    except AttributeError:
-        pass
+    forget_resolved_backends()
 
 
 @contextlib.contextmanager
@@ -258,16 +255,9 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
         return output
 
     def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
-        B, F, D, KVH = md.batch_size, md.width, self.head_size, self.num_kv_heads
-        side = self._side_kv
-        if (side is None or side.shape[1] < B or side.shape[2] < md.side_capacity
-                or side.dtype != key.dtype):
-            side = torch.zeros(2, B, md.side_capacity, KVH, D, dtype=key.dtype,
-                               device=key.device)
-            self._side_kv = side
-        lo, hi = md.side_offset, md.side_offset + F
-        side[0, :B, lo:hi] = key[: B * F].view(B, F, KVH, D)
-        side[1, :B, lo:hi] = value[: B * F].view(B, F, KVH, D)
+        B, F, D = md.batch_size, md.width, self.head_size
+        side = self._side_kv = md.write_side_kv(self._side_kv, key, value)
+        hi = md.side_offset + F
         k_cache, v_cache = kv_pair(kv_cache)
         if self.tree_settings.exec_mode == "reference":
             q = query[: B * F].view(B, F, self.num_heads, D)

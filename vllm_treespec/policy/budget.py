@@ -51,102 +51,12 @@ Pure Python/torch; the runner feeds it timings and acceptance counts.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import random
 
 import numpy as np
 import torch
 
-
-@dataclasses.dataclass
-class LinearFit:
-    """Exponentially weighted least squares for y = a + b*x."""
-
-    decay: float = 0.97
-    sums: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
-
-    @staticmethod
-    def _terms(x: float, y: float, w: float) -> list[float]:
-        return [w, w * x, w * y, w * x * x, w * x * y]
-
-    def add(self, x: float, y: float, weight: float = 1.0) -> None:
-        self.sums = [self.decay * s + t for s, t in zip(self.sums, self._terms(x, y, weight))]
-
-    def coefficients(self) -> tuple[float, float] | None:
-        sw, sx, sy, sxx, sxy = self.sums
-        if sw <= 0:
-            return None
-        var = sxx * sw - sx * sx
-        if var <= 1e-9 * max(sw, 1.0) ** 2 * max(sxx / sw, 1.0):
-            # Every sample at one x (e.g. drafting levels of a fixed width at
-            # batch 1): the mean is what it costs there.
-            return sy / sw, 0.0
-        b = (sxy * sw - sx * sy) / var
-        a = (sy - b * sx) / sw
-        return a, max(b, 0.0)
-
-    def __call__(self, x: float) -> float | None:
-        c = self.coefficients()
-        return None if c is None else max(c[0] + c[1] * x, 1e-6)
-
-
-class StepCostTable:
-    """Step seconds as a function of verified tokens N: piecewise linear through
-    measured knots, refined online.
-
-    A straight line cannot describe a step: a few tokens cost about the same as
-    one (the weights are read once either way), then cost grows with compute.
-    Knots come from a timing sweep at startup. Live steps differ from the sweep's
-    dummy forwards by a roughly constant factor (other per-step work), so each
-    live step first rescales the whole table a little toward what it took, then
-    moves the two knots around its N (least mean squares); one outside the knots
-    becomes a knot. Beyond the last knot the last segment is extended.
-    """
-
-    def __init__(self, rate: float = 0.02, scale_rate: float = 0.1):
-        self.rate = rate
-        self.scale_rate = scale_rate
-        self.n: list[float] = []
-        self.t: list[float] = []
-
-    def set_knot(self, n: float, seconds: float) -> None:
-        if n in self.n:
-            self.t[self.n.index(n)] = seconds
-            return
-        i = bisect.bisect(self.n, n)
-        self.n.insert(i, float(n))
-        self.t.insert(i, seconds)
-
-    def add(self, n: float, seconds: float) -> None:
-        if not self.n or n < self.n[0] or n > self.n[-1]:
-            self.set_knot(n, seconds)
-            return
-        # One stalled step (a pause, a page fault storm) must not swing the table.
-        ratio = min(max(seconds / self(n), 0.5), 2.0)
-        self.t = [t * (1.0 + self.scale_rate * (ratio - 1.0)) for t in self.t]
-        i = min(bisect.bisect_right(self.n, n), len(self.n) - 1)
-        lo = max(i - 1, 0)
-        w = 0.0 if self.n[i] == self.n[lo] else (n - self.n[lo]) / (self.n[i] - self.n[lo])
-        predicted = self(n)
-        err = min(max(seconds - predicted, -0.5 * predicted), predicted)
-        self.t[lo] += self.rate * (1 - w) * err
-        self.t[i] += self.rate * w * err
-
-    def costs(self, n: np.ndarray) -> np.ndarray | None:
-        """Predicted seconds for each N in ``n`` (None before any knot)."""
-        if not self.n:
-            return None
-        n = np.asarray(n, dtype=np.float64)
-        out = np.interp(n, self.n, self.t)
-        if len(self.n) > 1:
-            slope = max((self.t[-1] - self.t[-2]) / (self.n[-1] - self.n[-2]), 0.0)
-            out = np.where(n > self.n[-1], self.t[-1] + slope * (n - self.n[-1]), out)
-        return np.maximum(out, 1e-6)
-
-    def __call__(self, n: float) -> float | None:
-        c = self.costs(np.array([n]))
-        return None if c is None else float(c[0])
+from vllm_treespec.policy.costs import LinearFit, StepCostTable
 
 
 class AdaptiveBudget:
@@ -171,8 +81,9 @@ class AdaptiveBudget:
         self.first_pass_cost = LinearFit()    # seconds of the drafter's first pass vs tokens
         self.kappa = 1.0                      # calibration of draft probabilities
         self._pred, self._obs = 1e-6, 1e-6
-        # P(accepted drafts >= d+1), an EWMA over verified trees: its data part,
-        # and the weight the data has in it (the rest is the prior).
+        # Acceptance at depth d+1 given depth d (d = 0: P(accepted drafts >= 1)),
+        # an EWMA over the verified trees that reached depth d: its data part, and
+        # the weight the data has in it (the rest is the prior).
         self._acc_data = [0.0] * depth
         self._acc_seen = [0.0] * depth
         # nodes_at[d-1]: EWMA of nodes verified per request when d levels were
@@ -194,30 +105,40 @@ class AdaptiveBudget:
 
     @property
     def accepted_at(self) -> list[float]:
-        """P(accepted drafts >= d+1) per depth d: the trees seen at depth d, and a
-        prior worth ``PRIOR_TREES`` trees, extrapolated from the depths above (the
-        conditional acceptance of the last depth carries on; the first depth's
-        prior is 1/2). A fixed prior of 2^-(d+1) with the weight of the whole
-        EWMA (~50 trees) kept depth 2 at ~0.2 while the trees drafted there
-        accepted 0.07, and depths 3-6 were drafted in runs of a dozen steps, at
-        3-5 ms of drafting each."""
+        """P(accepted drafts >= d+1) per depth d, as a product of conditional
+        acceptances: depth d+1 given d, from the trees that reached depth d, and
+        a prior worth ``PRIOR_TREES`` trees (the conditional acceptance of the
+        depth above carries on; depth 1's is itself, depth 0's 1/2).
+
+        Conditionals, because depths beyond the usual one are verified only now
+        and then (probes), while depth 1 is verified every step: served, on a
+        turn whose text became predictable, depth-1 acceptance went from 0.55
+        to 0.89 at once, but an absolute depth-2 estimate stayed at its average
+        (0.07) for ~300 steps of probes, and depth-1 trees ran where stock
+        chains of 2 accepted 2.1 tokens a step. As a conditional (what fraction
+        of the trees that reach depth 1 reach depth 2), it moves with depth 1.
+        A fixed prior of 2^-(d+1) with the weight of the whole EWMA (~50 trees)
+        kept depth 2 at ~0.2 while the trees drafted there accepted 0.07."""
         out: list[float] = []
         r = self.RATE_PER_TREE
         for d in range(self.D):
             if d == 0:
                 prior = 0.5
+            elif d == 1:
+                prior = out[0]
             else:
-                above = out[d - 2] if d >= 2 else 1.0
-                prior = out[d - 1] * min(out[d - 1] / above, 1.0) if above > 0 else 0.0
+                prior = out[d - 1] / out[d - 2] if out[d - 2] > 0 else 0.0
             # seen / r is about the number of trees seen (up to 1 / r); the prior's
             # weight fades as the EWMA fills, so a long-observed rate is the data's.
             w = self.PRIOR_TREES * (1.0 - self._acc_seen[d])
-            out.append((self._acc_data[d] / r + w * prior) / (self._acc_seen[d] / r + w))
+            conditional = (self._acc_data[d] / r + w * prior) / (self._acc_seen[d] / r + w)
+            out.append(conditional * (out[d - 1] if d else 1.0))
         return out
 
     @accepted_at.setter
     def accepted_at(self, values: list[float]) -> None:  # as if observed for long
-        self._acc_data = [float(v) for v in values]
+        above = [1.0] + [float(v) for v in values[:-1]]
+        self._acc_data = [float(v) / a if a > 0 else 0.0 for v, a in zip(values, above)]
         self._acc_seen = [1.0] * len(values)
 
     # ---------------------------------------------------------------- observe
@@ -289,10 +210,13 @@ class AdaptiveBudget:
         # stock chains gained 14-18 % on the same turns).
         rate = self.RATE_OFF_PROBE if self._probing_while_off else self.RATE_PER_TREE
         self._probing_while_off = False
-        keep = (1.0 - rate) ** n
         for d in range(min(depth_used, self.D)):
-            rate = sum(1 for a in accepted if a >= d + 1) / n
-            self._acc_data[d] = keep * self._acc_data[d] + (1.0 - keep) * rate
+            reached = sum(1 for a in accepted if a >= d) if d else n
+            if not reached:
+                break
+            keep = (1.0 - rate) ** reached
+            conditional = sum(1 for a in accepted if a >= d + 1) / reached
+            self._acc_data[d] = keep * self._acc_data[d] + (1.0 - keep) * conditional
             self._acc_seen[d] = keep * self._acc_seen[d] + (1.0 - keep)
 
     def observe_budget(self, depth: int, nodes_per_request: float,

@@ -1,0 +1,40 @@
+"""A one-wide tree (``top_k=1``, ``num_nodes = depth = k``, adaptive off) drafts
+exactly what stock vLLM ``eagle3`` with ``k`` speculative tokens drafts.
+
+Same drafter, same greedy requests one at a time: if every proposal is the same,
+vLLM's own spec-decode counters agree to the token: as many draft tokens, and as
+many accepted at each position (with the shipped drafter, hundreds of them).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import base_engine, run_engine
+
+pytestmark = pytest.mark.vllm
+
+K = 3
+
+
+def test_one_wide_tree_drafts_what_stock_eagle3_drafts(target_dir, tokenizer, engine_dir):
+    from tests.integration.prompts import chat_token_ids
+    from vllm_treespec.assets import committed_drafter_dir
+
+    drafter = str(committed_drafter_dir())
+    prompts = chat_token_ids(tokenizer)[:4]
+    runs = {}
+    for name, spec in (
+            ("stock", {"method": "eagle3", "model": drafter, "num_speculative_tokens": K}),
+            ("one_wide", {"method": "eagle3_tree", "model": drafter, "top_k": 1,
+                          "num_nodes": K, "depth": K, "adaptive": False})):
+        runs[name] = run_engine({"engine": base_engine(target_dir, speculative_config=spec,
+                                                       max_num_seqs=1),
+                                 "prompts": prompts, "batch": 1,
+                                 "sampling": {"temperature": 0.0, "max_tokens": 64}},
+                                engine_dir, f"one_wide_{name}")
+    stock, tree = runs["stock"], runs["one_wide"]
+    assert tree["outputs"] == stock["outputs"]
+    assert tree["spec_decode"] == stock["spec_decode"], (tree["spec_decode"], stock["spec_decode"])
+    accepted = stock["spec_decode"]["accepted_per_pos"]
+    assert len(accepted) == K and accepted[0] >= 20 and accepted[1] > 0, accepted

@@ -1,0 +1,7 @@
+"""Adaptive speculation budget (``budget``) and its cost models (``costs``).
+Pure Python/torch; the runner feeds it timings and acceptance counts."""
+
+from vllm_treespec.policy.budget import AdaptiveBudget
+from vllm_treespec.policy.costs import LinearFit, StepCostTable
+
+__all__ = ["AdaptiveBudget", "LinearFit", "StepCostTable"]

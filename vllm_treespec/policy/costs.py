@@ -1,0 +1,99 @@
+"""The adaptive budget's cost models: a weighted straight-line fit (drafting
+costs) and a piecewise-linear step-cost table (verify steps by token count)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class LinearFit:
+    """Exponentially weighted least squares for y = a + b*x."""
+
+    decay: float = 0.97
+    sums: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
+
+    @staticmethod
+    def _terms(x: float, y: float, w: float) -> list[float]:
+        return [w, w * x, w * y, w * x * x, w * x * y]
+
+    def add(self, x: float, y: float, weight: float = 1.0) -> None:
+        self.sums = [self.decay * s + t for s, t in zip(self.sums, self._terms(x, y, weight))]
+
+    def coefficients(self) -> tuple[float, float] | None:
+        sw, sx, sy, sxx, sxy = self.sums
+        if sw <= 0:
+            return None
+        var = sxx * sw - sx * sx
+        if var <= 1e-9 * max(sw, 1.0) ** 2 * max(sxx / sw, 1.0):
+            # Every sample at one x (e.g. drafting levels of a fixed width at
+            # batch 1): the mean is what it costs there.
+            return sy / sw, 0.0
+        b = (sxy * sw - sx * sy) / var
+        a = (sy - b * sx) / sw
+        return a, max(b, 0.0)
+
+    def __call__(self, x: float) -> float | None:
+        c = self.coefficients()
+        return None if c is None else max(c[0] + c[1] * x, 1e-6)
+
+
+class StepCostTable:
+    """Step seconds as a function of verified tokens N: piecewise linear through
+    measured knots, refined online.
+
+    A straight line cannot describe a step: a few tokens cost about the same as
+    one (the weights are read once either way), then cost grows with compute.
+    Knots come from a timing sweep at startup. Live steps differ from the sweep's
+    dummy forwards by a roughly constant factor (other per-step work), so each
+    live step first rescales the whole table a little toward what it took, then
+    moves the two knots around its N (least mean squares); one outside the knots
+    becomes a knot. Beyond the last knot the last segment is extended.
+    """
+
+    def __init__(self, rate: float = 0.02, scale_rate: float = 0.1):
+        self.rate = rate
+        self.scale_rate = scale_rate
+        self.n: list[float] = []
+        self.t: list[float] = []
+
+    def set_knot(self, n: float, seconds: float) -> None:
+        if n in self.n:
+            self.t[self.n.index(n)] = seconds
+            return
+        i = bisect.bisect(self.n, n)
+        self.n.insert(i, float(n))
+        self.t.insert(i, seconds)
+
+    def add(self, n: float, seconds: float) -> None:
+        if not self.n or n < self.n[0] or n > self.n[-1]:
+            self.set_knot(n, seconds)
+            return
+        # One stalled step (a pause, a page fault storm) must not swing the table.
+        ratio = min(max(seconds / self(n), 0.5), 2.0)
+        self.t = [t * (1.0 + self.scale_rate * (ratio - 1.0)) for t in self.t]
+        i = min(bisect.bisect_right(self.n, n), len(self.n) - 1)
+        lo = max(i - 1, 0)
+        w = 0.0 if self.n[i] == self.n[lo] else (n - self.n[lo]) / (self.n[i] - self.n[lo])
+        predicted = self(n)
+        err = min(max(seconds - predicted, -0.5 * predicted), predicted)
+        self.t[lo] += self.rate * (1 - w) * err
+        self.t[i] += self.rate * w * err
+
+    def costs(self, n: np.ndarray) -> np.ndarray | None:
+        """Predicted seconds for each N in ``n`` (None before any knot)."""
+        if not self.n:
+            return None
+        n = np.asarray(n, dtype=np.float64)
+        out = np.interp(n, self.n, self.t)
+        if len(self.n) > 1:
+            slope = max((self.t[-1] - self.t[-2]) / (self.n[-1] - self.n[-2]), 0.0)
+            out = np.where(n > self.n[-1], self.t[-1] + slope * (n - self.n[-1]), out)
+        return np.maximum(out, 1e-6)
+
+    def __call__(self, n: float) -> float | None:
+        c = self.costs(np.array([n]))
+        return None if c is None else float(c[0])

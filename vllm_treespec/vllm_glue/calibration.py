@@ -1,0 +1,62 @@
+"""Startup timing of the target's forwards, for the adaptive budget's step-cost
+table and for device kernel choices (mixed into the tree model runner).
+
+Live steps refine the table (``policy.StepCostTable``); these sweeps only seed
+it, so that the first requests are sized by measured costs, not guesses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
+
+logger = logging.getLogger("vllm.treespec")
+
+
+class StepCostCalibration:
+    """Needs the runner's ``_dummy_run``, ``model``, ``_sync_device``,
+    ``scheduler_config`` and ``tree_policy``."""
+
+    def _calibrate_kernels(self) -> None:
+        """Device hook: choose kernels by timing forwards (``_time_forward``)."""
+
+    def _time_forward(self, n: int, repeats: int = 3) -> float:
+        """Best-of seconds of a forward (+ logits) over n tokens, drafter excluded.
+        The drafter's dummy pass (all its steps) is not part of a verify step's
+        cost, and it made the sweeps slow and noisy."""
+        drafter = getattr(self, "drafter", None)
+        if drafter is not None:
+            drafter.dummy_run = lambda *args, **kwargs: None
+        try:
+            times = []
+            for _ in range(repeats):
+                self._sync_device()
+                t0 = time.perf_counter()
+                out = call_on_fresh_chunk(self._dummy_run, n)  # as live steps run
+                hidden = out[0] if isinstance(out, tuple) else out
+                self.model.compute_logits(hidden[:n])
+                self._sync_device()  # device time, not launch time
+                times.append(time.perf_counter() - t0)
+            return min(times)
+        finally:
+            if drafter is not None:
+                del drafter.dummy_run  # the class's method again
+
+    # Verified-token counts timed at startup: dense where decode batches live.
+    CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+    def _calibrate_step_cost(self) -> None:
+        """Seed the adaptive budget's step-cost table: time forwards (+ logits) of
+        a sweep of token counts. Live steps refine it."""
+        policy = self.tree_policy
+        if policy is None:
+            return
+        limit = self.scheduler_config.max_num_batched_tokens
+        for n in (n for n in self.CALIBRATION_SIZES if n <= limit):
+            policy.step_cost.set_knot(n, self._time_forward(n, 3 if n <= 64 else 1))
+        cost = policy.step_cost
+        logger.info("eagle3_tree: step cost %s (adaptive budget)",
+                    ", ".join(f"{int(n)} tok {1e3 * t:.1f} ms"
+                              for n, t in zip(cost.n, cost.t) if n in (1, 4, 16, 64, 256)))

@@ -1,0 +1,38 @@
+"""The KV commit of a verify step, shared by every device: the accepted path of
+each tree moves to the front of its slots (``P+idx_k -> P+k``), in every
+layer's KV cache and in the step's input ids and hidden states, and positions
+become linear again. Afterwards the scheduler's ``num_computed -= rejected`` and
+the drafter's first pass see an ordinary accepted chain."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_treespec.tree import apply_compaction, compaction_plan
+
+
+def commit_accepted(step, acc, block_table: torch.Tensor, block_size: int, kv_layers,
+                    input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """``step``: the ``VerifyStep``; ``acc``: its ``Acceptance``; ``block_table``:
+    the tree requests' rows; ``kv_layers``: per layer, the cache views whose
+    dim 0 is the block and dim 1 the slot in it."""
+    plan = compaction_plan(acc)
+    if bool(plan.needs_copy.any()):
+        src, dst = plan.slots(step.prefix_len, block_table, block_size)
+        for views in kv_layers:
+            for view in views:
+                apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
+        moves = plan.src != plan.dst
+        tok_src = (step.token_start.unsqueeze(1) + plan.src)[moves]
+        tok_dst = (step.token_start.unsqueeze(1) + plan.dst)[moves]
+        buffers = [input_ids]
+        if step.hidden_states is not None:
+            buffers.append(step.hidden_states)
+        buffers += list(step.aux_hidden_states or [])
+        for buf in buffers:
+            buf[tok_dst] = buf[tok_src]
+    # Linear positions again: the drafter's first pass reads a plain chain.
+    tree = step.tree
+    flat = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
+    lin = (step.prefix_len.unsqueeze(1) + tree.node_index)[tree.valid]
+    positions[flat] = lin
