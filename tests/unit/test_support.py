@@ -133,3 +133,16 @@ def test_a_draft_vocabulary_map_beyond_the_target_is_refused(drafter_copy):
     save_file(weights, drafter_copy / "model.safetensors")
     with pytest.raises(TreeSpecConfigError, match="d2t maps draft tokens to target ids"):
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_speculators_format_config_is_read_one_level_down(drafter_copy):
+    config = json.loads((drafter_copy / "config.json").read_text())
+    layer = {k: config.pop(k) for k in ("hidden_size", "vocab_size")}
+    config.pop("target_hidden_size")
+    config["transformer_layer_config"] = layer
+    (drafter_copy / "config.json").write_text(json.dumps(config))
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    layer["vocab_size"] = 32000  # and a mismatch there is still caught
+    (drafter_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TreeSpecConfigError, match="vocab_size 32000"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)

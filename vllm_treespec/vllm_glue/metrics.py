@@ -108,7 +108,10 @@ class TreeMetrics:
         parallel = vllm_config.parallel_config
         if parallel.rank != 0:
             return cls(trace=trace, log_interval_s=None)
-        return cls(trace=trace, stats_path=stats_path(parallel.data_parallel_rank))
+        # vLLM sets data_parallel_rank to 0 in every engine of a dense model; the
+        # engine's index (what the frontend's stat logger is given) is this.
+        engine = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
+        return cls(trace=trace, stats_path=stats_path(engine))
 
     def _both(self):
         return (self.total, self.window)

@@ -74,7 +74,10 @@ def check_drafter(model: str, target: Any) -> None:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise _bad_drafter(path / "config.json", f"unreadable ({e})") from None
-    hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    # Speculators-format checkpoints keep the layer's sizes one level down.
+    layer = config.get("transformer_layer_config") or {}
+    hidden = (config.get("target_hidden_size") or config.get("hidden_size")
+              or layer.get("hidden_size"))
     if hidden != target.hidden_size:
         raise _bad_drafter(path, f"trained on hidden states of size {hidden} "
                                  f"(config.json target_hidden_size / hidden_size); the "
@@ -86,12 +89,13 @@ def check_drafter(model: str, target: Any) -> None:
             isinstance(i, int) and 0 <= i < layers for i in layer_ids):
         raise _bad_drafter(path, f"eagle_aux_hidden_state_layer_ids {layer_ids} in "
                                  f"config.json; the target has layers 0..{layers - 1}")
-    if config.get("vocab_size") != target.vocab_size:
-        raise _bad_drafter(path, f"vocab_size {config.get('vocab_size')} in config.json; "
+    vocab = config.get("vocab_size") or layer.get("vocab_size")
+    if vocab != target.vocab_size:
+        raise _bad_drafter(path, f"vocab_size {vocab} in config.json; "
                                  f"the target's vocab_size is {target.vocab_size}")
     files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise _bad_drafter(path, "no *.safetensors weights in the directory")
+    if not files and not any(path.glob("*.bin")):
+        raise _bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
     for file in files:
         _check_drafter_weights(file, 3 * hidden, target.vocab_size)
 

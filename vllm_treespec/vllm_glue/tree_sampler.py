@@ -170,8 +170,11 @@ def _position_noise(seed: int, first: int, count: int, vocab: int,
 def _seeded_acceptance(step: VerifyStep, md, processed: torch.Tensor, probs: torch.Tensor,
                        greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
     """Sampled seeded requests accept with per-position noise (``positional_accept``):
-    their output then depends on the seed alone, not on the trees the adaptive
-    budget drafted (timing-dependent), so the same request reproduces."""
+    on tree steps their output then depends on the seed alone, not on the trees
+    the adaptive budget drafted (timing-dependent). A step where the budget
+    drafts nothing for the request samples with vLLM's sampler and the request's
+    generator stream, so full reproducibility holds while every step drafts
+    (e.g. ``adaptive: false``); with off steps it can still differ."""
     seeded = [(i, md.generators[b].initial_seed())
               for i, b in enumerate(step.req_index.tolist())
               if b in (md.generators or {}) and not bool(greedy[i])]
@@ -179,7 +182,8 @@ def _seeded_acceptance(step: VerifyStep, md, processed: torch.Tensor, probs: tor
         return acc
     tree = step.tree
     rows = torch.tensor([i for i, _ in seeded], device=probs.device)
-    noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, tree.max_depth + 1,
+    count = int(tree.depth[rows].max()) + 1  # the depths these trees use, not the cap
+    noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count,
                                          probs.shape[-1], probs.device) for i, seed in seeded])
     samples = processed.argmax(-1)
     samples[rows] = position_samples(probs[rows], tree.depth[rows], noise)
