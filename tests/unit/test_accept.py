@@ -21,7 +21,7 @@ from vllm_treespec.tree import (
     apply_compaction,
     compaction_plan,
     greedy_accept,
-    positional_accept,
+    position_samples,
     stochastic_accept,
 )
 
@@ -224,7 +224,7 @@ def positional_rule(shared_noise=False):
         depths = 1 if shared_noise else tree.max_depth + 1
         noise = torch.empty(n, depths, V).exponential_(generator=gen)
         noise = noise.expand(n, tree.max_depth + 1, V)
-        acc = positional_accept(big, probs.expand(n, -1, -1), noise)
+        acc = greedy_accept(big, position_samples(probs.expand(n, -1, -1), big.depth, noise))
         return [row[row >= 0].tolist() for row in acc.tokens]
     return rule
 
@@ -249,7 +249,7 @@ def test_positional_acceptance_emits_plain_decoding_under_the_same_noise(seed):
         ctx = ()
         for d in range(tree.max_depth + 1):
             ctx += (int(torch.argmax(table.get(ctx, uniform) / noise[0, d])),)
-        acc = positional_accept(tree, target_probs(tree, table), noise)
+        acc = greedy_accept(tree, position_samples(target_probs(tree, table), tree.depth, noise))
         emitted = acc.tokens[0][acc.tokens[0] >= 0].tolist()
         assert emitted == list(ctx[: len(emitted)]), (emitted, ctx)
 

@@ -8,7 +8,6 @@ from vllm_treespec.tree.accept import (
     compaction_plan,
     greedy_accept,
     position_samples,
-    positional_accept,
     stochastic_accept,
 )
 from vllm_treespec.tree.build import (
@@ -24,6 +23,6 @@ __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
     "apply_compaction", "compaction_plan", "greedy_accept", "position_samples",
-    "positional_accept", "stochastic_accept",
+    "stochastic_accept",
     "tree_mask",
 ]

@@ -99,21 +99,13 @@ def greedy_accept(tree: TreeBatch, target_argmax: torch.Tensor) -> Acceptance:
                       tokens=_emitted_tokens(tree, path, num_accepted, bonus))
 
 
-def positional_accept(tree: TreeBatch, target_probs: torch.Tensor,
-                      noise: torch.Tensor) -> Acceptance:
-    """Acceptance with per-position randomness (see module docstring).
-
-    target_probs: [B, T, V] as for ``stochastic_accept``; noise: [B, D+1, V]
-    Exp(1) draws of the positions after the root (depth d samples position
-    root + 1 + d), at least ``tree.max_depth + 1`` of them.
-    """
-    return greedy_accept(tree, position_samples(target_probs, tree.depth, noise))
-
-
 def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
                      noise: torch.Tensor) -> torch.Tensor:
-    """[B, T] each node's sample, argmax(p / E) with the noise of its position
-    (``depth`` [B, T], ``noise`` [B, D+1, V] as in ``positional_accept``)."""
+    """[B, T] each node's sample for the positional rule (see module docstring):
+    argmax(p / E) with the noise of its position. ``greedy_accept(tree, samples)``
+    then accepts with it. target_probs: [B, T, V] as for ``stochastic_accept``;
+    depth: [B, T] node depths; noise: [B, D+1, V] Exp(1) draws of the positions
+    after the root (depth d samples position root + 1 + d)."""
     rows = torch.arange(depth.shape[0], device=depth.device).unsqueeze(1)
     return torch.argmax(target_probs.float() / noise[rows, depth], dim=-1)
 

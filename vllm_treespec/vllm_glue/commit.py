@@ -11,14 +11,15 @@ import torch
 from vllm_treespec.tree import apply_compaction, compaction_plan
 
 
-def commit_accepted(step, acc, block_table: torch.Tensor, block_size: int, kv_layers,
-                    input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+def commit_accepted(step, acc, block_table, kv_layers, input_ids: torch.Tensor,
+                    positions: torch.Tensor) -> None:
     """``step``: the ``VerifyStep``; ``acc``: its ``Acceptance``; ``block_table``:
-    the tree requests' rows; ``kv_layers``: per layer, the cache views whose
-    dim 0 is the block and dim 1 the slot in it."""
+    vLLM's block table of the step's KV-cache group; ``kv_layers``: per layer,
+    the cache views whose dim 0 is the block and dim 1 the slot in it."""
     plan = compaction_plan(acc)
-    if bool(plan.needs_copy.any()):
-        src, dst = plan.slots(step.prefix_len, block_table, block_size)
+    if bool(plan.needs_copy.any()):  # else every accepted node already sits in its slot
+        rows = block_table.get_device_tensor(step.num_reqs)[step.req_index]
+        src, dst = plan.slots(step.prefix_len, rows, block_table.block_size)
         for views in kv_layers:
             for view in views:
                 apply_compaction(view, src, dst, block_dim=0, slot_dim=1)

@@ -284,7 +284,5 @@ class TreeRunnerMixin(StepCostCalibration):
         return out
 
     def _commit(self, step: VerifyStep, acc) -> None:
-        bt = self.input_batch.block_table[0]
-        commit_accepted(step, acc, bt.get_device_tensor(step.num_reqs)[step.req_index],
-                        bt.block_size, self._kv_layer_views(), self.input_ids.gpu,
-                        self.positions)
+        commit_accepted(step, acc, self.input_batch.block_table[0], self._kv_layer_views(),
+                        self.input_ids.gpu, self.positions)

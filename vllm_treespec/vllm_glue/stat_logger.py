@@ -92,7 +92,9 @@ class TreeStatLogger(StatLoggerBase):
         self._seen = now
 
     def log(self):
-        now = getattr(self, "_seen", None)
+        if not self.active:
+            return
+        now = self._seen
         if now is None:
             return
         base = self._logged

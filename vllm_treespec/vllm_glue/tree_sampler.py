@@ -136,21 +136,14 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
     return torch.softmax(x, dim=-1).view(Bt, T, V)
 
 
-def _random_draws(step: VerifyStep, md, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms [Bt, D, C] and Exp(1) noise [Bt, V]; seeded requests use their own
-    generator so their outputs are reproducible."""
+def _random_draws(step: VerifyStep, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms [Bt, D, C] and Exp(1) noise [Bt, V] for ``stochastic_accept``.
+    Seeded requests' rows are not used: they accept with per-position noise
+    (``_seeded_acceptance``)."""
     tree = step.tree
     Bt, D, C = tree.batch_size, tree.max_depth, tree.max_children
     dev = tree.device
-    uniforms = torch.rand(Bt, D, C, device=dev)
-    noise = torch.empty(Bt, vocab, device=dev).exponential_()
-    if md.generators:
-        for i, b in enumerate(step.req_index.tolist()):
-            gen = md.generators.get(b)
-            if gen is not None:
-                uniforms[i] = torch.rand(D, C, device=dev, generator=gen)
-                noise[i].exponential_(generator=gen)
-    return uniforms, noise
+    return torch.rand(Bt, D, C, device=dev), torch.empty(Bt, vocab, device=dev).exponential_()
 
 
 def _position_noise(seed: int, first: int, count: int, vocab: int,
@@ -169,7 +162,7 @@ def _position_noise(seed: int, first: int, count: int, vocab: int,
 
 def _seeded_acceptance(step: VerifyStep, md, processed: torch.Tensor, probs: torch.Tensor,
                        greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
-    """Sampled seeded requests accept with per-position noise (``positional_accept``):
+    """Sampled seeded requests accept with per-position noise (``position_samples``):
     on tree steps their output then depends on the seed alone, not on the trees
     the adaptive budget drafted (timing-dependent). A step where the budget
     drafts nothing for the request samples with vLLM's sampler and the request's
@@ -211,7 +204,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
     acc = greedy_accept(step.tree, processed.argmax(-1))
     if not bool(greedy.all()):
         probs = node_probs(processed, step, md)
-        uniforms, noise = _random_draws(step, md, probs.shape[-1])
+        uniforms, noise = _random_draws(step, probs.shape[-1])
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
         acc = _seeded_acceptance(step, md, processed, probs, greedy, acc)
     width = acc.tokens.shape[1]
