@@ -6,7 +6,8 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
        "n_per_prompt": int, "schedule": {"off_steps", "period", "mode"} | null,
-       "draft_faults": N | null (every N-th drafter forward raises)}
+       "draft_faults": N | null (every N-th drafter forward raises),
+       "stream_seeded_plain_steps": bool (negative control of seeded reproduction)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
@@ -43,6 +44,8 @@ def main(spec_path: str, out_path: str) -> None:
                            args=(sch["off_steps"], sch["period"], sch["mode"]))
     if spec.get("break_stochastic") and tree_mode:
         llm.collective_rpc(oracle.break_stochastic_acceptance)
+    if spec.get("stream_seeded_plain_steps") and tree_mode:
+        llm.collective_rpc(oracle.stream_seeded_plain_steps)
     if spec.get("draft_faults") and tree_mode:
         llm.collective_rpc(oracle.inject_draft_faults, args=(spec["draft_faults"],))
     sampling = SamplingParams(**spec["sampling"])

@@ -186,6 +186,22 @@ def break_stochastic_acceptance(worker) -> bool:
     return True
 
 
+def stream_seeded_plain_steps(worker) -> bool:
+    """collective_rpc target (negative control): plain steps draw a seeded
+    request's noise from its generator stream, as stock vLLM does, instead of
+    the per-position noise tree steps use."""
+    runner = worker.model_runner
+
+    def seeds_only(self):
+        batch = self.input_batch
+        seeds = {b: self.requests[batch.req_ids[b]].sampling_params.seed
+                 for b in batch.generators}
+        return {b: s for b, s in seeds.items() if s is not None}
+
+    runner._seat_position_generators = types.MethodType(seeds_only, runner)
+    return True
+
+
 def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer") -> bool:
     """collective_rpc target: a deterministic adaptive budget that keeps
     speculation off for ``off_steps`` of every ``period`` drafting decisions and

@@ -106,8 +106,8 @@ def test_n_greater_than_one_at_temperature(servers):
     assert len(resp.choices) == 4
     assert all(c.message.content for c in resp.choices)
     assert len({c.message.content for c in resp.choices}) > 1
-    # A seeded request reproduces, trees and all (each request samples, drafts
-    # and accepts with its own seeded generator).
+    # A seeded request reproduces, trees and off steps alike (the noise of every
+    # position is keyed by seed and position; see test_seeded).
     again = tree.client.chat.completions.create(
         model="smollm2", messages=[{"role": "user", "content": QUESTIONS[3]}],
         max_tokens=24, temperature=1.0, n=4, seed=7)

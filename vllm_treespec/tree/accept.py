@@ -25,8 +25,9 @@ per-node Python loops (the stochastic walk loops over depth only):
   is accepted iff it is its parent's sample, i.e. the greedy walk over samples
   instead of argmaxes. It accepts each child as often as the rule above (both
   sum p over the children) and emits exactly the sequence plain decoding with
-  the same noise would, whatever the tree: a seeded request's tree steps
-  reproduce even when the adaptive budget drafts different trees on another run.
+  the same noise would, whatever the tree. The runner keys the noise of plain
+  steps by position as well, so a seeded request reproduces even when the
+  adaptive budget drafts different trees, or none, on another run.
 
 The accepted path's nodes sit at KV slots ``prefix + idx_k``; the commit copies
 them to ``prefix + k`` so the cache looks as if the accepted tokens had been

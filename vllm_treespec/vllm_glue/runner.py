@@ -33,7 +33,8 @@ from vllm_treespec.vllm_glue import support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
+from vllm_treespec.vllm_glue.tree_sampler import (VerifyStep, sample_with_trees,
+                                                  seat_position_generators, tree_safe)
 
 
 logger = logging.getLogger("vllm.treespec")
@@ -258,20 +259,33 @@ class TreeRunnerMixin(StepCostCalibration):
 
     # ------------------------------------------------------------- sample
     def _sample(self, logits, spec_decode_metadata):
-        out = self._sample_tree_or_stock(logits, spec_decode_metadata)
+        seeds = self._seat_position_generators()
+        out = self._sample_tree_or_stock(logits, spec_decode_metadata, seeds)
         # Emitted tokens of this step ([B, width], -1 padded) for the drafter's
         # bookkeeping and traces, before vLLM's own bookkeeping runs.
         self.last_sampled_token_ids = out.sampled_token_ids
         return out
 
-    def _sample_tree_or_stock(self, logits, spec_decode_metadata):
+    def _seat_position_generators(self) -> dict[int, int]:
+        """Seeded rows' generators keyed to the position they sample next (see
+        ``seat_position_generators``); returns batch row -> request seed."""
+        batch = self.input_batch
+        generators = batch.generators
+        if not generators:
+            return {}
+        seeds = {b: self.requests[batch.req_ids[b]].sampling_params.seed for b in generators}
+        seeds = {b: s for b, s in seeds.items() if s is not None}
+        seat_position_generators(generators, seeds, batch.num_tokens_no_spec)
+        return seeds
+
+    def _sample_tree_or_stock(self, logits, spec_decode_metadata, seeds):
         step = self._verify
         if step is None or spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         t0 = time.perf_counter()
         self.input_batch.update_async_output_token_ids()
         out, acc = sample_with_trees(self.sampler, logits, spec_decode_metadata,
-                                     self.input_batch.sampling_metadata, step)
+                                     self.input_batch.sampling_metadata, step, seeds)
         t1 = time.perf_counter()
         self._commit(step, acc)
         if self.tree_policy is not None:

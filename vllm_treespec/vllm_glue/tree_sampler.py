@@ -146,31 +146,48 @@ def _random_draws(step: VerifyStep, vocab: int) -> tuple[torch.Tensor, torch.Ten
     return torch.rand(Bt, D, C, device=dev), torch.empty(Bt, vocab, device=dev).exponential_()
 
 
+def position_seed(seed: int, index: int) -> int:
+    """Generator seed of sequence position ``index`` of a request seeded ``seed``
+    (a hash of the pair: int tuples hash the same in every process)."""
+    return hash((seed, index)) & (2**63 - 1)
+
+
+def seat_position_generators(generators: dict[int, torch.Generator],
+                             seeds: dict[int, int], next_index) -> None:
+    """Reseed each seeded row's generator for the position it samples next.
+
+    vLLM's sampler draws a seeded row's Exp(1) noise from the request's
+    generator, a stream advanced once per plain step; tree steps draw per
+    position (``_position_noise``). Keyed by position on every step, the noise
+    of a position is the same whether a plain step or a tree step samples it, so
+    a seeded request reproduces whatever the adaptive budget decides (off steps
+    included). next_index[b]: the sequence index of row b's next token."""
+    for b, gen in generators.items():
+        if b in seeds:
+            gen.manual_seed(position_seed(seeds[b], int(next_index[b])))
+
+
 def _position_noise(seed: int, first: int, count: int, vocab: int,
                     device: torch.device) -> torch.Tensor:
-    """[count, vocab] Exp(1) noise of positions ``first ..`` of a seeded request,
-    each drawn from a generator keyed by (seed, position): the same noise for a
-    position whatever trees earlier steps drafted (a stream would be advanced by
-    however many draws those trees took)."""
+    """[count, vocab] Exp(1) noise of positions ``first ..`` of a seeded request:
+    what vLLM's sampler draws for that position from a seated generator
+    (``seat_position_generators``), whatever trees earlier steps drafted."""
     out = torch.empty(count, vocab, device=device)
+    gen = torch.Generator(device=device)
     for j in range(count):
-        gen = torch.Generator(device=device)
-        gen.manual_seed(hash((seed, first + j)) & (2**63 - 1))
+        gen.manual_seed(position_seed(seed, first + j))
         out[j].exponential_(generator=gen)
     return out
 
 
-def _seeded_acceptance(step: VerifyStep, md, processed: torch.Tensor, probs: torch.Tensor,
-                       greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
-    """Sampled seeded requests accept with per-position noise (``position_samples``):
-    on tree steps their output then depends on the seed alone, not on the trees
-    the adaptive budget drafted (timing-dependent). A step where the budget
-    drafts nothing for the request samples with vLLM's sampler and the request's
-    generator stream, so full reproducibility holds while every step drafts
-    (e.g. ``adaptive: false``); with off steps it can still differ."""
-    seeded = [(i, md.generators[b].initial_seed())
-              for i, b in enumerate(step.req_index.tolist())
-              if b in (md.generators or {}) and not bool(greedy[i])]
+def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], processed: torch.Tensor,
+                       probs: torch.Tensor, greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
+    """Sampled seeded requests accept with per-position noise (``position_samples``),
+    the noise vLLM's sampler uses for the same position on a plain step: their
+    output depends on the seed alone, not on the trees or off steps the adaptive
+    budget chose (timing-dependent). seeds: batch row -> the request's seed."""
+    seeded = [(i, seeds[b]) for i, b in enumerate(step.req_index.tolist())
+              if b in seeds and not bool(greedy[i])]
     if not seeded:
         return acc
     tree = step.tree
@@ -185,8 +202,8 @@ def _seeded_acceptance(step: VerifyStep, md, processed: torch.Tensor, probs: tor
     return greedy_accept(tree, samples).where(take, acc)
 
 
-def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
-                      step: VerifyStep) -> tuple[SamplerOutput, Acceptance]:
+def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifyStep,
+                      seeds: dict[int, int]) -> tuple[SamplerOutput, Acceptance]:
     num_reqs = step.num_reqs
     dev = logits.device
     num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
@@ -206,7 +223,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md,
         probs = node_probs(processed, step, md)
         uniforms, noise = _random_draws(step, probs.shape[-1])
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
-        acc = _seeded_acceptance(step, md, processed, probs, greedy, acc)
+        acc = _seeded_acceptance(step, seeds, processed, probs, greedy, acc)
     width = acc.tokens.shape[1]
     out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32, device=dev)
     if base is not None:
