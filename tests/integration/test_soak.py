@@ -12,12 +12,13 @@ def test_short_soak_keeps_every_promise(tmp_path):
     from vllm_treespec.bench.soak import main
 
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "fixed", "--quiet", "4",
-               "--warmup", "8", "--kv-tokens", "4096", "--max-tokens-cap", "32",
+               "--warmup", "8", "--kv-tokens", "2048", "--max-tokens-cap", "48",
                "--out", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert rc == 0, (tmp_path / "soak.md").read_text()
     assert result["violations"] == []
     tree = result["servers"]["fixed"]
     assert tree["trees"] > 0  # the load really went through trees
+    assert tree["preemptions"] > 0 and result["servers"]["plain"]["preemptions"] > 0
     assert tree["requests"]["invalid"] > 0 and tree["requests"]["abort"] > 0
     assert tree["greedy_under_load"]["compared"] > 10

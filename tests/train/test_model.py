@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vllm_treespec.train.model import DrafterConfig, Eagle3Drafter
+from vllm_treespec.train.drafter_config import DrafterConfig
+from vllm_treespec.train.model import Eagle3Drafter
 
 
 def tiny_config(**kw) -> DrafterConfig:

@@ -116,7 +116,7 @@ def test_shards_hold_the_states_hf_computes(run):
 
 def test_training_resumes_and_lowers_the_loss(run):
     from vllm_treespec.train.data import collate, load_shard, shard_files
-    from vllm_treespec.train.model import load_target_head
+    from vllm_treespec.train.target_weights import load_target_head
     from vllm_treespec.train.trainer import TrainConfig, build_model, step_losses
 
     assert "resumed at step 1" in run["log"]
@@ -137,7 +137,8 @@ def test_training_resumes_and_lowers_the_loss(run):
 
 def test_export_is_a_loadable_checkpoint_with_manifest(run):
     from vllm_treespec.assets import sha256_file
-    from vllm_treespec.train.model import Eagle3Drafter, load_target_head
+    from vllm_treespec.train.model import Eagle3Drafter
+    from vllm_treespec.train.target_weights import load_target_head
 
     out = run["out"]
     manifest = json.loads((out / "MANIFEST.json").read_text())

@@ -385,8 +385,8 @@ def test_probe_falls_back_with_a_reason(ops):
     assert not bad.ok and "not supported" in bad.reason
 
     class WrongAlignment(EmulatedTorchNPU):    # a device that aligns the tree top-left
-        def _masks(self, op, v2, layout, mask, sparse_mode, *rest):
-            out = super()._masks(op, v2, layout, mask, sparse_mode, *rest)
+        def allowed_positions(self, op, v2, layout, mask, sparse_mode, *rest):
+            out = super().allowed_positions(op, v2, layout, mask, sparse_mode, *rest)
             if sparse_mode == 9:
                 out = [torch.roll(m, -(m.shape[1] - m.shape[0]), 1) for m in out]
             return out

@@ -19,8 +19,9 @@ preempted, ``validate_invariants`` on. Each server then gets, in order:
 It fails (exit 1) on any violation: a valid request that does not complete, an
 invalid one without a 4xx and a message, any 5xx, a dead server, a quiet answer
 that differs from plain vLLM's, an invariant dump in a server log, resident
-memory more than 10 % above the baseline, or a greedy mismatch rate under load
-significantly above plain-vs-plain (one-sided Fisher exact test, p < 0.01).
+memory more than 10 % above the baseline, a server whose requests were never
+preempted (the KV cache too large to test preemption), or a greedy mismatch rate
+under load significantly above plain-vs-plain (one-sided Fisher exact test, p < 0.01).
 Writes DIR/soak.json, DIR/soak.md and each server's log.
 """
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=32, help="requests of the warm-up burst")
     p.add_argument("--max-tokens-cap", type=int, default=512,
                    help="upper bound of the mix's max_tokens (a shorter soak)")
+    p.add_argument("--allow-no-preemption", action="store_true",
+                   help="do not count a server whose requests were never preempted as a "
+                        "violation (the KV cache was too large to exercise preemption)")
     return p
 
 
@@ -156,7 +160,8 @@ def greedy_mismatches(mix: list[SoakRequest], a, b) -> tuple[int, int]:
     return sum(x.texts != y.texts for x, y in pairs), len(pairs)
 
 
-def check(runs: dict[str, ServerRun], mix: list[SoakRequest]) -> tuple[dict, list[str]]:
+def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
+          allow_no_preemption: bool = False) -> tuple[dict, list[str]]:
     from scipy.stats import fisher_exact
 
     plain = runs["plain"]
@@ -174,6 +179,10 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest]) -> tuple[dict, lis
             violations.append(f"{name}: /health failed after the load")
         if run.dumps:
             violations.append(f"{name}: {run.dumps} tree invariant dump(s) in the log")
+        preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
+        if not preemptions and not allow_no_preemption:
+            violations.append(f"{name}: no request was preempted, so the soak did not "
+                              f"exercise preemption (lower --kv-tokens)")
         growth = run.rss_end / max(1, run.rss_warm)
         if growth > RSS_GROWTH_LIMIT:
             violations.append(f"{name}: resident memory grew {growth:.2f}x after warm-up")
@@ -184,7 +193,7 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest]) -> tuple[dict, lis
             "aborted": sum(r.aborted for r in run.loads[0]),
             "rss_mb": {"after_warmup": run.rss_warm >> 20, "end": run.rss_end >> 20,
                        "growth": round(growth, 3)},
-            "preemptions": metric_sum(run.metrics, "vllm:num_preemptions_total"),
+            "preemptions": preemptions,
             "trees": metric_sum(run.metrics, "vllm_treespec:trees_total"),
             "draft_faults": metric_sum(run.metrics, "vllm_treespec:draft_faults_total"),
             "invariant_dumps": run.dumps,
@@ -254,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[soak] {name}: serving and loading", flush=True)
         runs[name] = soak_server(name, tree, args, str(assets.target), quiet, warm, mix, out,
                                  str(assets.drafter))
-    summary, violations = check(runs, mix)
+    summary, violations = check(runs, mix, args.allow_no_preemption)
     result = {"args": vars(args), "servers": summary, "violations": violations}
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(summary, violations, args)

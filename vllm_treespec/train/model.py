@@ -30,7 +30,6 @@ that ``draft_chain`` reproduces vLLM's own draft tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -38,7 +37,6 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
     LlamaMLP,
     LlamaRMSNorm,
@@ -46,122 +44,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-
-@dataclasses.dataclass
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layers: tuple[int, ...]
-    hidden_act: str = "silu"
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-
-    @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layers) -> "DrafterConfig":
-        c = target_config
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise NotImplementedError(f"rope type {rope.get('rope_type')} is not supported")
-        return cls(
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=c.num_key_value_heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-            rms_norm_eps=c.rms_norm_eps,
-            rope_theta=float(theta),
-            max_position_embeddings=c.max_position_embeddings,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=c.hidden_size,
-            aux_layers=tuple(int(x) for x in aux_layers),
-            hidden_act=getattr(c, "hidden_act", "silu"),
-            bos_token_id=getattr(c, "bos_token_id", None),
-            eos_token_id=getattr(c, "eos_token_id", None),
-        )
-
-    def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-            max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size,
-            hidden_act=self.hidden_act,
-            num_hidden_layers=1,
-        )
-
-    def to_hf_dict(self, dtype: str) -> dict:
-        """``config.json`` in the layout vLLM's ``LlamaForCausalLMEagle3`` reads."""
-        d = {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": dtype,
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
-                "use_aux_hidden_state": True,
-            },
-        }
-        if self.bos_token_id is not None:
-            d["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            d["eos_token_id"] = self.eos_token_id
-        return d
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        rope = d.get("rope_parameters") or {}
-        return cls(
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d["num_key_value_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            rms_norm_eps=d["rms_norm_eps"],
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            max_position_embeddings=d["max_position_embeddings"],
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d["draft_vocab_size"],
-            target_hidden_size=d.get("target_hidden_size", d["hidden_size"]),
-            aux_layers=tuple(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-            hidden_act=d.get("hidden_act", "silu"),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
-        )
+from vllm_treespec.train.drafter_config import CONFIG_NAME, WEIGHTS_NAME, DrafterConfig
 
 
 class Eagle3Attention(nn.Module):
@@ -398,80 +281,3 @@ class Eagle3Drafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"checkpoint {ckpt_dir}: missing {missing}, unexpected {unexpected}")
         return model.to(dtype)
-
-
-def load_target_head(target_dir: str | Path):
-    """(config, tied embedding [V, d], final norm weight [d]) of a HF Llama target."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    target_dir = Path(target_dir)
-    cfg = AutoConfig.from_pretrained(target_dir)
-    files = sorted(target_dir.glob("*.safetensors"))
-    want = {"model.embed_tokens.weight": None, "model.norm.weight": None, "lm_head.weight": None}
-    for f in files:
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                if key in want:
-                    want[key] = st.get_tensor(key).float()
-    embed = want["model.embed_tokens.weight"]
-    head = want["lm_head.weight"] if want["lm_head.weight"] is not None else embed
-    return cfg, embed, head, want["model.norm.weight"]
-
-
-def load_target_layer(target_dir: str | Path, layer: int) -> dict[str, torch.Tensor]:
-    """Weights of one decoder layer of the target (names relative to the layer)."""
-    from safetensors import safe_open
-
-    prefix = f"model.layers.{layer}."
-    out = {}
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                if key.startswith(prefix):
-                    out[key[len(prefix):]] = st.get_tensor(key).float()
-    return out
-
-
-def init_from_target(model: Eagle3Drafter, target_dir: str | Path, mode: str = "target") -> None:
-    """Initialise from the target.
-
-    Always: ``lm_head`` = the target's output head restricted to the draft
-    vocabulary and ``norm`` = its final norm, so step 1 starts out reading the
-    drafter's output the way the target reads its own last state.
-    ``mode="target"`` also copies the target's last decoder layer into the
-    midlayer (the hidden-state half of q/k/v; the embedding half starts at
-    zero) and sets ``fc`` to pass the deepest auxiliary state through: at the
-    start the drafter is then close to "one more target layer on top of the
-    deepest captured state", which predicts sensible tokens from step one.
-    """
-    _, embed, head, norm_w = load_target_head(target_dir)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
-        model.lm_head.weight.copy_(head[model.draft_ids.cpu()])
-        if norm_w is not None:
-            model.norm.weight.copy_(norm_w)
-        if mode != "target":
-            return
-        from transformers import AutoConfig
-
-        n_layers = AutoConfig.from_pretrained(target_dir).num_hidden_layers
-        w = load_target_layer(target_dir, n_layers - 1)
-        d = model.cfg.hidden_size
-        layer = model.midlayer
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):
-            lin = getattr(attn, name)
-            lin.weight.zero_()
-            lin.weight[:, d:] = w[f"self_attn.{name}.weight"]
-            # small random embedding half so the token input is not dead at start
-            nn.init.normal_(lin.weight[:, :d], std=0.02)
-        attn.o_proj.weight.copy_(w["self_attn.o_proj.weight"])
-        layer.hidden_norm.weight.copy_(w["input_layernorm.weight"])
-        layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm.weight"])
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(layer.mlp, name).weight.copy_(w[f"mlp.{name}.weight"])
-        n_aux = len(model.cfg.aux_layers)
-        model.fc.weight.zero_()
-        model.fc.weight[:, (n_aux - 1) * d :] = torch.eye(d)
-        nn.init.normal_(model.fc.weight[:, : (n_aux - 1) * d], std=0.01)

@@ -36,7 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from .data import Batch, collate, load_shard, make_batches, shard_files, split_eval
-from .model import DrafterConfig, Eagle3Drafter, init_from_target, load_target_head
+from .drafter_config import DrafterConfig
+from .model import Eagle3Drafter
+from .target_weights import init_from_target, load_target_head
 
 
 @dataclasses.dataclass
@@ -359,7 +361,7 @@ def export_best(work: Path, out: Path, dtype: str = "bfloat16", log: Callable[[s
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(src / name, out / name)
     if dtype != "bfloat16":
-        from .model import load_target_head
+        from .target_weights import load_target_head
 
         _, embed, _, _ = load_target_head(ck["config"]["target"])
         model = Eagle3Drafter.load_checkpoint(out, embed_weight=embed)

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the target without speculation and compare greedy outputs")
     p.add_argument("--out", default=None, help="write the JSON result here")
     args = p.parse_args(argv)
-    from .model import Eagle3Drafter, load_target_head
+    from .model import Eagle3Drafter
+    from .target_weights import load_target_head
 
     prompts = DEFAULT_PROMPTS[: args.prompts]
     captures = capture_vllm_drafts(args.target, args.drafter, prompts, args.num_spec, args.max_tokens)
