@@ -12,7 +12,7 @@ def test_short_soak_keeps_every_promise(tmp_path):
     from vllm_treespec.bench.soak import main
 
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "fixed", "--quiet", "4",
-               "--warmup", "8", "--kv-tokens", "2048", "--max-tokens-cap", "48",
+               "--warmup", "8", "--kv-tokens", "1536", "--max-tokens-cap", "48",
                "--out", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert rc == 0, (tmp_path / "soak.md").read_text()
