@@ -191,14 +191,7 @@ def stream_seeded_plain_steps(worker) -> bool:
     request's noise from its generator stream, as stock vLLM does, instead of
     the per-position noise tree steps use."""
     runner = worker.model_runner
-
-    def seeds_only(self):
-        batch = self.input_batch
-        seeds = {b: self.requests[batch.req_ids[b]].sampling_params.seed
-                 for b in batch.generators}
-        return {b: s for b, s in seeds.items() if s is not None}
-
-    runner._seat_position_generators = types.MethodType(seeds_only, runner)
+    runner._seat_position_generators = runner._request_seeds  # seeds, nothing seated
     return True
 
 

@@ -37,19 +37,20 @@ from typing import Any
 import torch
 
 from vllm_treespec.attention.emulation_inputs import (
-    HALF_TYPES,
     INT32_MAX,
     FIAContractError,
     allowed_positions,
-    violation,
     dense_kv,
     int_list,
     lengths_from_cumulative,
     paged_kv,
     per_batch_lengths,
+    violation,
 )
 
 __all__ = ["EmulatedTorchNPU", "FIAContractError"]
+
+HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 class EmulatedTorchNPU:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 INT32_MAX = 2147483647
-HALF_TYPES = (torch.float16, torch.bfloat16)
 
 
 _COMPRESSED: list[torch.Tensor] = []

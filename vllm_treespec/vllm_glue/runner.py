@@ -266,16 +266,21 @@ class TreeRunnerMixin(StepCostCalibration):
         self.last_sampled_token_ids = out.sampled_token_ids
         return out
 
+    def _request_seeds(self) -> dict[int, int]:
+        """Batch row -> the request's seed, for the rows that have a generator."""
+        batch = self.input_batch
+        seeds = {b: self.requests[batch.req_ids[b]].sampling_params.seed
+                 for b in batch.generators}
+        return {b: s for b, s in seeds.items() if s is not None}
+
     def _seat_position_generators(self) -> dict[int, int]:
         """Seeded rows' generators keyed to the position they sample next (see
-        ``seat_position_generators``); returns batch row -> request seed."""
-        batch = self.input_batch
-        generators = batch.generators
-        if not generators:
+        ``seat_position_generators``); returns ``_request_seeds()``."""
+        if not self.input_batch.generators:
             return {}
-        seeds = {b: self.requests[batch.req_ids[b]].sampling_params.seed for b in generators}
-        seeds = {b: s for b, s in seeds.items() if s is not None}
-        seat_position_generators(generators, seeds, batch.num_tokens_no_spec)
+        seeds = self._request_seeds()
+        seat_position_generators(self.input_batch.generators, seeds,
+                                 self.input_batch.num_tokens_no_spec)
         return seeds
 
     def _sample_tree_or_stock(self, logits, spec_decode_metadata, seeds):
