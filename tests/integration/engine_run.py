@@ -5,7 +5,7 @@
 SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
-       "n_per_prompt": int, "schedule": {"off_steps", "period", "mode"} | null,
+       "n_per_prompt": int, "schedule": {"off_steps", "period", "mode", "chain"?} | null,
        "draft_faults": N | null (every N-th drafter forward raises),
        "stream_seeded_plain_steps": bool (negative control of seeded reproduction)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
@@ -41,7 +41,8 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("schedule") and tree_mode:
         sch = spec["schedule"]
         llm.collective_rpc(oracle.schedule_speculation,
-                           args=(sch["off_steps"], sch["period"], sch["mode"]))
+                           args=(sch["off_steps"], sch["period"], sch["mode"],
+                                 sch.get("chain", False)))
     if spec.get("break_stochastic") and tree_mode:
         llm.collective_rpc(oracle.break_stochastic_acceptance)
     if spec.get("stream_seeded_plain_steps") and tree_mode:

@@ -195,7 +195,8 @@ def stream_seeded_plain_steps(worker) -> bool:
     return True
 
 
-def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer") -> bool:
+def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer",
+                         chain: bool = False) -> bool:
     """collective_rpc target: a deterministic adaptive budget that keeps
     speculation off for ``off_steps`` of every ``period`` drafting decisions and
     drafts full trees otherwise; records each request's first draft token per
@@ -206,6 +207,8 @@ def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer
     mode "reference": the drafter runs every step (nothing deferred);
     mode "drop": negative control: deferred inputs are thrown away instead of
         caught up, so the drafter's KV misses the off steps' positions.
+    chain: drafting steps are in the budget's chain mode (the greedy chain,
+        one-wide levels, verified whole) instead of full trees.
     """
     from vllm_treespec.policy import AdaptiveBudget
 
@@ -218,7 +221,7 @@ def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer
     def plan_depth(self, batch):
         calls[0] += 1
         depth = 0 if calls[0] % period < off_steps else cfg.depth
-        self.last_depth = depth
+        self.last_depth, self.chain_mode = depth, chain and depth > 0
         return depth
 
     policy.plan_depth = types.MethodType(plan_depth, policy)

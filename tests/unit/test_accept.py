@@ -17,6 +17,7 @@ from scipy import stats
 
 from tests.unit.treegen import random_tree_batch, tree_batches
 from vllm_treespec.tree import (
+    Outcome,
     TreeBatch,
     apply_compaction,
     compaction_plan,
@@ -61,6 +62,43 @@ def test_greedy_picks_the_longest_matching_path(tree, seed):
         expect = [tok[i] for i in path[1:]] + [int(argmax[b, best])]
         assert acc.tokens[b, : a + 1].tolist() == expect
         assert (acc.tokens[b, a + 1:] == -1).all()
+
+
+@given(tree_batches(max_nodes=12, vocab=3, max_children=3), st.integers(0, 2**31))
+def test_outcome_reads_the_greedy_chain_and_where_the_tree_stopped(tree, seed):
+    """Checked against a walk: the greedy chain follows first children (builders
+    lay siblings out best first); it accepts while its tokens are the target's
+    argmax; a walk that ends at a leaf was stopped by the tree, not the target."""
+    gen = torch.Generator().manual_seed(seed)
+    argmax = torch.randint(0, 3, (tree.batch_size, tree.tree_size), generator=gen)
+    acc = greedy_accept(tree, argmax)
+    out = Outcome.of(tree, acc)
+    assert out.accepted == acc.num_accepted.tolist()
+    for b in range(tree.batch_size):
+        n = int(tree.num_nodes[b]) + 1
+        par, tok = tree.parent[b].tolist()[:n], tree.token[b].tolist()
+        kids = [[i for i in range(1, n) if par[i] == p] for p in range(n)]
+        node, chain_acc = 0, 0
+        while kids[node] and tok[kids[node][0]] == int(argmax[b, node]):
+            node, chain_acc = kids[node][0], chain_acc + 1
+        tip = 0
+        while kids[tip]:
+            tip = kids[tip][0]
+        assert out.chain_accepted[b] == chain_acc
+        assert out.chain_censored[b] == (node == tip)
+        last = int(acc.path[b, out.accepted[b]])
+        assert out.censored[b] == (out.accepted[b] > 0 and not kids[last])
+
+
+def test_outcome_of_a_hand_tree():
+    # root -> 1, 2; 1 -> 3, 4; 2 -> 5; 3 -> 6. Greedy chain: 0, 1, 3, 6.
+    tree = TreeBatch.from_parents([[10, 1, 2, 3, 4, 5, 6]], [[0, 0, 0, 1, 1, 2, 3]],
+                                  tree_size=7, max_children=2)
+    assert tree.greedy_chain[0].tolist() == [True, True, False, True, False, False, True]
+    left = Outcome.of(tree, greedy_accept(tree, torch.tensor([[1, 4, 0, 0, 99, 0, 0]])))
+    assert left == Outcome([2], [True], [1], [False])  # off the chain at node 4, a leaf
+    down = Outcome.of(tree, greedy_accept(tree, torch.tensor([[1, 3, 0, 6, 0, 0, 7]])))
+    assert down == Outcome([3], [True], [3], [True])   # the whole chain
 
 
 @given(tree_batches(max_nodes=10, vocab=5, max_children=3), st.integers(0, 2**31))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vllm_treespec.policy import AdaptiveBudget, LinearFit, StepCostTable
+from vllm_treespec.tree import Outcome
 
 
 def test_linear_fit_recovers_cost_and_handles_one_size():
@@ -70,16 +71,22 @@ def test_deep_trees_when_verification_is_cheap_and_none_when_it_is_not():
     assert depths == sorted(depths, reverse=True) and depths[0] > 0 and depths[-1] == 0
 
 
-def test_depth_is_costed_by_the_trees_selection_keeps():
+@pytest.mark.parametrize("chains", [True, False])  # False: trees priced alone (control)
+def test_depth_is_costed_by_the_trees_selection_keeps(chains):
     """Trees trimmed to chains are cheap to verify; wide ones at the same depth are not.
-    The CPU case: a 28 ms step, ~1.6 ms per extra token, a weak drafter."""
+    The CPU case: a 28 ms step, ~1.6 ms per extra token, a weak drafter. Once
+    tree-mode selections keep wide trees, the greedy chain, priced apart, still pays."""
     p = policy(base=0.028, per_token=0.0016, accept=(0.36, 0.13, 0.05, 0.02, 0.01, 0.0))
-    assert p.plan_depth(1) in (1, 2)  # a short chain pays off
+    p.chains = chains
+    assert p.plan_depth(1) in (1, 2) and not p.chain_mode  # a tree trimmed to a chain
     for d in range(1, 7):
         for _ in range(30):
             p.observe_budget(d, 8.0 * d)  # the selection kept wide trees
     assert p.nodes_at[0] == pytest.approx(8.0, rel=0.01)
-    assert p.plan_depth(1) == 0
+    if chains:
+        assert p.plan_depth(1) in (1, 2) and p.chain_mode and p.level_width(2) == 1
+    else:
+        assert p.plan_depth(1) == 0
 
 
 def test_useless_drafter_turns_speculation_off():
@@ -359,7 +366,8 @@ def test_a_few_trees_outweigh_the_prior():
     far nearer the data's 0.1 than the prior's 0.3 (0.55 x 0.55)."""
     p = AdaptiveBudget(num_nodes=8, depth=6, width=4, probe_every=0)
     p.accepted_at = [0.55, 0.3, 0.3, 0.3, 0.3, 0.3]
-    p._acc_data[1:] = p._acc_seen[1:] = [0.0] * 5  # depth 1 long observed; deeper never
+    est = p.tree_acceptance
+    est.data[1:] = est.seen[1:] = [0.0] * 5  # depth 1 long observed; deeper never
     for i in range(20):
         p.observe_acceptance([2 if i in (3, 11) else int(i % 2 == 0)], depth_used=2,
                              predicted=0.5)
@@ -396,3 +404,68 @@ def test_deeper_estimates_move_with_depth_one():
     frozen.accepted_at = [0.92, 0.13, 0.04, 0.0, 0.0, 0.0]
     frozen.level_cost.add(1, 0.004)
     assert frozen.plan_depth(1) == 1
+
+
+def test_the_greedy_chain_is_priced_apart_and_verified_whole():
+    """The CPU trace that motivated it: tree-mode selections at depth 2 branched
+    (3.5 nodes, 8 ms of tree attention), so depth 2 priced low and the plan ran
+    depth 1 or off, while the chain of 2 beat every plan. Priced apart, the
+    chain of 2 wins; chain mode drafts one wide and verifies the whole chain."""
+    p = policy(base=0.038, per_token=0.0005, accept=(0.55, 0.3, 0.1, 0.03, 0.01, 0.0))
+    p.level_cost.add(1, 0.002)
+    p.level_cost.add(8, 0.008)
+    for _ in range(40):
+        p.observe_step(5, 0.038 + 0.0005 * 5 + 0.008, branching=True)
+        p.observe_budget(2, 3.5, branching=True)
+    assert p.predicted_ratio(1, 2, chain=True) > p.predicted_ratio(1, 2) + 0.1
+    assert p.plan_depth(1) == 2 and p.chain_mode and p.level_width(2) == 1
+    scores = torch.log(torch.tensor([[0.9, 0.05, 0.04, 0.01, 0.3]]))
+    chain = torch.tensor([[True, False, False, False, True]])
+    budgets, chain_only = p.select(scores, 8, chain)
+    assert chain_only and budgets.tolist() == [2]  # whole, however unsure node 2 looks
+    nodes_before = list(p.nodes_at)
+    p.observe_budget(2, 2.0)
+    assert p.nodes_at == nodes_before  # chain mode says nothing of tree-mode sizes
+
+
+def test_chain_mode_outcomes_feed_only_the_chain_estimates():
+    p = policy(accept=(0.5, 0.25, 0.1, 0.0, 0.0, 0.0))
+    p.chain_mode = True
+    p.select(torch.zeros(1, 4), 4, torch.ones(1, 4, dtype=torch.bool))
+    tree_before = p.accepted_at
+    for _ in range(100):
+        p.observe_acceptance([0], depth_used=2, predicted=0.5)
+    assert p.accepted_at == tree_before
+    assert p.chain_accepted_at[0] < 0.2
+    p.chain_mode = False  # tree mode: trees and their chains both learn
+    p.select(torch.zeros(1, 4), 4, torch.ones(1, 4, dtype=torch.bool))
+    for _ in range(100):
+        p.observe_acceptance([2], depth_used=2, predicted=0.5)
+    assert p.accepted_at[0] > 0.8 and p.chain_accepted_at[0] > 0.8
+
+
+def test_trees_win_where_branching_is_free_and_siblings_accept():
+    """A fused tree kernel (no branching extra), trees accepting more than their
+    chains: the plan keeps tree mode."""
+    p = policy(base=0.040, per_token=0.0001, accept=(0.8, 0.6, 0.45, 0.3, 0.2, 0.1))
+    p.chain_accepted_at = [0.5, 0.25, 0.1, 0.03, 0.01, 0.0]
+    assert p.plan_depth(1) >= 3 and not p.chain_mode
+
+
+def test_trees_cut_short_by_the_selection_are_not_rejections():
+    """The selection keeps depth-2 drafts on 1 tree in 4; the target accepts
+    0.9 of depth 1 and 0.8 of depth 2 beyond it. Read as rejections, the
+    trees the selection cut would put depth 2's conditional at 0.2."""
+    def run(outcomes: bool):
+        p = AdaptiveBudget(num_nodes=8, depth=2, width=4, probe_every=0)
+        rng = random.Random(0)
+        for i in range(600):
+            cut = i % 4 != 0  # the selection kept one node
+            a = int(rng.random() < 0.9)
+            a += a and not cut and int(rng.random() < 0.8)
+            leaf = a == 2 or (a == 1 and cut)
+            p.observe_acceptance(Outcome([a], [leaf], [a], [leaf]) if outcomes else [a],
+                                 depth_used=2, predicted=0.5)
+        return p.accepted_at[1] / p.accepted_at[0]
+    assert run(outcomes=True) == pytest.approx(0.8, abs=0.1)
+    assert run(outcomes=False) < 0.35  # control: censoring read as rejection

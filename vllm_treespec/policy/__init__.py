@@ -1,4 +1,5 @@
-"""Adaptive speculation budget (``budget``) and its cost models (``costs``).
+"""Adaptive speculation budget (``budget``), its acceptance estimates
+(``acceptance``) and cost models (``costs``).
 Pure Python/torch; the runner feeds it timings and acceptance counts."""
 
 from vllm_treespec.policy.budget import AdaptiveBudget

@@ -30,8 +30,14 @@ and decides every step:
   to 8 x ``probe_every``. t(.) also carries the branching extra below, in proportion to how
   often trees drafted to depth d branched.
 
+  Each depth is priced twice: as above (tree mode), and as the greedy chain of
+  d nodes verified whole (chain mode: n(d) = d, one-wide levels, no branching
+  extra, and the chain's own acceptance, which every verified tree shows for
+  the leading part of its chain). Acceptance estimates skip what a tree could
+  not show: a walk that ended at a leaf says nothing of the depth below it.
+
 * **how wide to draft**: a level forwards only frontier nodes whose children
-  can still be verified. Where the selection below keeps chains (branch_at(d)
+  can still be verified. In chain mode, or where the selection below keeps chains (branch_at(d)
   below one half: a device whose causal kernel makes branching dear), levels
   forward one node per request, the chain's tip, and cost what a stock chain
   draft step costs; otherwise the full frontier of ``width`` nodes.
@@ -52,11 +58,14 @@ Pure Python/torch; the runner feeds it timings and acceptance counts.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from vllm_treespec.policy.acceptance import ConditionalAcceptance
 from vllm_treespec.policy.costs import LinearFit, StepCostTable
+from vllm_treespec.tree.accept import Outcome
 
 
 class AdaptiveBudget:
@@ -72,8 +81,9 @@ class AdaptiveBudget:
     BRANCH_EXTRA_DECAY = 0.01
 
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
-                 probe_every: int = 32, seed: int = 0):
+                 probe_every: int = 32, seed: int = 0, chains: bool = True):
         self.M, self.D, self.K = num_nodes, depth, width
+        self.chains = chains  # price the greedy chain too (no: a static topology)
         self.margin = margin
         self.probe_every = probe_every
         self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
@@ -81,11 +91,13 @@ class AdaptiveBudget:
         self.first_pass_cost = LinearFit()    # seconds of the drafter's first pass vs tokens
         self.kappa = 1.0                      # calibration of draft probabilities
         self._pred, self._obs = 1e-6, 1e-6
-        # Acceptance at depth d+1 given depth d (d = 0: P(accepted drafts >= 1)),
-        # an EWMA over the verified trees that reached depth d: its data part, and
-        # the weight the data has in it (the rest is the prior).
-        self._acc_data = [0.0] * depth
-        self._acc_seen = [0.0] * depth
+        # Acceptance of the trees drafted in tree mode, and of the greedy chain
+        # (every verified tree holds a leading part of it; chain mode verifies
+        # it whole): a depth is priced both ways, see plan_depth.
+        self.tree_acceptance = ConditionalAcceptance(depth)
+        self.chain_acceptance = ConditionalAcceptance(depth)
+        self.chain_mode = False  # this step drafts and verifies the greedy chain alone
+        self._verifying_chain = False  # the drafts being verified come from chain mode
         # nodes_at[d-1]: EWMA of nodes verified per request when d levels were
         # drafted, i.e. what ``select`` keeps at that depth; a chain until seen.
         self.nodes_at = [float(d + 1) for d in range(depth)]
@@ -119,27 +131,22 @@ class AdaptiveBudget:
         of the trees that reach depth 1 reach depth 2), it moves with depth 1.
         A fixed prior of 2^-(d+1) with the weight of the whole EWMA (~50 trees)
         kept depth 2 at ~0.2 while the trees drafted there accepted 0.07."""
-        out: list[float] = []
-        r = self.RATE_PER_TREE
-        for d in range(self.D):
-            if d == 0:
-                prior = 0.5
-            elif d == 1:
-                prior = out[0]
-            else:
-                prior = out[d - 1] / out[d - 2] if out[d - 2] > 0 else 0.0
-            # seen / r is about the number of trees seen (up to 1 / r); the prior's
-            # weight fades as the EWMA fills, so a long-observed rate is the data's.
-            w = self.PRIOR_TREES * (1.0 - self._acc_seen[d])
-            conditional = (self._acc_data[d] / r + w * prior) / (self._acc_seen[d] / r + w)
-            out.append(conditional * (out[d - 1] if d else 1.0))
-        return out
+        return self.tree_acceptance.estimates(self.RATE_PER_TREE, self.PRIOR_TREES)
 
     @accepted_at.setter
-    def accepted_at(self, values: list[float]) -> None:  # as if observed for long
-        above = [1.0] + [float(v) for v in values[:-1]]
-        self._acc_data = [float(v) / a if a > 0 else 0.0 for v, a in zip(values, above)]
-        self._acc_seen = [1.0] * len(values)
+    def accepted_at(self, values: list[float]) -> None:
+        """As if observed for long, for trees and their chains alike."""
+        self.tree_acceptance.set(values)
+        self.chain_acceptance.set(values)
+
+    @property
+    def chain_accepted_at(self) -> list[float]:
+        """``accepted_at`` of the greedy chain verified whole."""
+        return self.chain_acceptance.estimates(self.RATE_PER_TREE, self.PRIOR_TREES)
+
+    @chain_accepted_at.setter
+    def chain_accepted_at(self, values: list[float]) -> None:
+        self.chain_acceptance.set(values)
 
     # ---------------------------------------------------------------- observe
     def observe_step(self, num_tokens: int, seconds: float, branching: bool = False) -> None:
@@ -185,20 +192,22 @@ class AdaptiveBudget:
         if levels > 0:
             self.level_cost.add(nodes_forwarded / levels, levels_s / levels)
 
-    def observe_acceptance(self, accepted: list[int], depth_used: int,
+    def observe_acceptance(self, accepted: Sequence[int] | Outcome, depth_used: int,
                            predicted: float) -> None:
-        """accepted: accepted drafts per tree of one step; predicted: the sum of
-        the (uncalibrated) probabilities of the verified nodes."""
-        if accepted:
-            self._obs = 0.95 * self._obs + sum(accepted)
+        """accepted: accepted drafts per tree of one step, or the step's
+        ``Outcome`` (a bare list: trees that are chains, none cut short);
+        predicted: the sum of the (uncalibrated) probabilities of the verified
+        nodes."""
+        out = accepted if isinstance(accepted, Outcome) else Outcome(
+            list(accepted), [False] * len(accepted), list(accepted), [False] * len(accepted))
+        if out.accepted:
+            self._obs = 0.95 * self._obs + sum(out.accepted)
             self._pred = 0.95 * self._pred + predicted
             self.kappa = min(max(self._obs / self._pred, 0.05), 20.0)
-        # Requests of the drafting step that verified nothing accepted nothing.
-        accepted = list(accepted) + [0] * self._unverified
+        # Requests of the drafting step that verified nothing accepted nothing
+        # (for their chains too: the selection judged even its first node hopeless).
+        zeros, falses = [0] * self._unverified, [False] * self._unverified
         self._unverified = 0
-        if not accepted:
-            return
-        n = len(accepted)
         # Weighted by trees, not steps: the estimate spans about 1 / RATE_PER_TREE
         # trees. At batch 1 one step is one Bernoulli outcome; a per-step EWMA of
         # 0.1 swings by +-0.23 (2 sigma) around an acceptance of 0.45, below the
@@ -210,14 +219,12 @@ class AdaptiveBudget:
         # stock chains gained 14-18 % on the same turns).
         rate = self.RATE_OFF_PROBE if self._probing_while_off else self.RATE_PER_TREE
         self._probing_while_off = False
-        for d in range(min(depth_used, self.D)):
-            reached = sum(1 for a in accepted if a >= d) if d else n
-            if not reached:
-                break
-            keep = (1.0 - rate) ** reached
-            conditional = sum(1 for a in accepted if a >= d + 1) / reached
-            self._acc_data[d] = keep * self._acc_data[d] + (1.0 - keep) * conditional
-            self._acc_seen[d] = keep * self._acc_seen[d] + (1.0 - keep)
+        self.chain_acceptance.observe(out.chain_accepted + zeros, out.chain_censored + falses,
+                                      depth_used, rate)
+        # Chain mode's chains say nothing of what trees accept beyond their chain.
+        if not self._verifying_chain:
+            self.tree_acceptance.observe(out.accepted + zeros, out.censored + falses,
+                                         depth_used, rate)
 
     def observe_budget(self, depth: int, nodes_per_request: float,
                        branching: bool = False, unverified: int = 0) -> None:
@@ -234,7 +241,7 @@ class AdaptiveBudget:
                 self.observe_acceptance([0] * unverified, depth, 0.0)
             else:
                 self._unverified = unverified
-        if 1 <= depth <= self.D:
+        if 1 <= depth <= self.D and not self.chain_mode:  # what tree mode keeps
             self.nodes_at[depth - 1] = 0.8 * self.nodes_at[depth - 1] + 0.2 * nodes_per_request
             self.branch_at[depth - 1] = 0.8 * self.branch_at[depth - 1] + 0.2 * branching
 
@@ -243,50 +250,69 @@ class AdaptiveBudget:
         return min(float(self.M), self.nodes_at[d - 1])
 
     def level_width(self, d: int) -> int:
-        """Frontier nodes per request that a step drafted to depth ``d`` forwards
-        at each level: the chain's tip alone while selections at that depth keep
-        chains, else the full frontier."""
+        """Frontier nodes per request that this step, drafted to depth ``d``,
+        forwards at each level: the chain's tip alone in chain mode, or while
+        tree-mode selections at that depth keep chains; else the full frontier."""
+        return 1 if self.chain_mode else self._tree_level_width(d)
+
+    def _tree_level_width(self, d: int) -> int:
         if d < 1:
             return self.K
         return 1 if self.branch_at[min(d, self.D) - 1] < 0.5 else self.K
 
-    def predicted_ratio(self, batch: int, d: int) -> float | None:
+    def predicted_ratio(self, batch: int, d: int, chain: bool = False) -> float | None:
+        """Predicted throughput vs plain decoding of drafting to depth ``d``: in
+        tree mode, at the size, width and branching tree-mode selections at that
+        depth had; with ``chain``, the greedy chain of ``d`` nodes verified whole,
+        as stock EAGLE's chain is."""
         plain = self.step_cost(batch)
         if plain is None:
             return None
         if d == 0:
             return 1.0
-        n = self._nodes_for_depth(d)
+        n = float(d) if chain else self._nodes_for_depth(d)
+        width = 1 if chain else self._tree_level_width(d)
         t = self.step_cost(batch * (1 + n))
         # An off step skips the drafter entirely, so a drafting step pays its
         # first pass as well as its levels.
         draft = ((self.first_pass_cost(batch * (1 + n)) or 0.0)
-                 + (self.level_cost(batch * self.level_width(d)) or 0.0) * (d - 1))
+                 + (self.level_cost(batch * width) or 0.0) * (d - 1))
         if t is None:
             return None
-        t += max(self.branch_cost, 0.0) * self.branch_at[d - 1]
-        gain = 1.0 + sum(self.accepted_at[:d])
+        if not chain:
+            t += max(self.branch_cost, 0.0) * self.branch_at[d - 1]
+        gain = 1.0 + sum((self.chain_accepted_at if chain else self.accepted_at)[:d])
         return (gain / (t + draft)) / (1.0 / plain)
 
     def plan_depth(self, batch: int) -> int:
-        """Drafting depth for this step (0 = no tree levels)."""
+        """Drafting depth for this step (0 = no tree levels), and ``chain_mode``.
+
+        Each depth is priced twice: as the tree that tree-mode selections keep
+        there, and as the greedy chain verified whole. Traced on the CPU, where
+        a branching verify costs 5-10 ms more than a chain of its size, pricing
+        trees only planned depth 1 or 3 and a quarter of the steps off, and
+        never the chain of 2 that beat it on every prompt (1.21x vs 1.12-1.19x
+        plain decoding, in one process). Ties go to the tree, which sees more.
+        """
         self._steps += 1
-        best_d, best = 0, 1.0 + self.margin
+        best_d, best, chain_mode = 0, 1.0 + self.margin, False
         for d in range(1, self.D + 1):
-            r = self.predicted_ratio(batch, d)
-            if r is None:  # no cost model yet: speculate fully
-                self.last_depth = self.D
-                return self.D
-            if r > best:
-                best_d, best = d, r
+            for chain in (False, True) if self.chains else (False,):
+                r = self.predicted_ratio(batch, d, chain)
+                if r is None:  # no cost model yet: speculate fully
+                    self.last_depth, self.chain_mode = self.D, False
+                    return self.D
+                if r > best:
+                    best_d, best, chain_mode = d, r, chain
         self.probing = self._probe_due(best_d)
         self._probing_while_off = self.probing and best_d == 0
         if self.probing:
             # Explore one level deeper than the plan, to keep the statistics of
             # the next depth current (a full-depth probe of a wide batch would
-            # cost more than the decision it informs).
+            # cost more than the decision it informs); from off, with a chain.
             best_d = min(self.D, best_d + 1)
-        self.last_depth = best_d
+            chain_mode = self.chains and (chain_mode or best_d == 1)
+        self.last_depth, self.chain_mode = best_d, chain_mode
         return best_d
 
     def _probe_due(self, planned: int) -> bool:
@@ -319,6 +345,10 @@ class AdaptiveBudget:
         ``chain_only``).
         """
         B = scores.shape[0]
+        self._verifying_chain = self.chain_mode
+        if self.chain_mode:  # as priced: the chain, whole
+            depth = min(self.last_depth, max_nodes)
+            return torch.full((B,), depth, dtype=torch.long, device=scores.device), True
         q = (self.kappa * torch.exp(scores.float())).clamp(max=1.0)
         q = torch.nan_to_num(q, nan=0.0)
         if self.step_cost.costs(np.array([B])) is None:

@@ -4,6 +4,7 @@ from vllm_treespec.tree.accept import (
     PAD_TOKEN_ID,
     Acceptance,
     CompactionPlan,
+    Outcome,
     apply_compaction,
     compaction_plan,
     greedy_accept,
@@ -20,7 +21,7 @@ from vllm_treespec.tree.mask import tree_mask
 from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
 
 __all__ = [
-    "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level",
+    "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level", "Outcome",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
     "apply_compaction", "compaction_plan", "greedy_accept", "position_samples",
     "stochastic_accept",

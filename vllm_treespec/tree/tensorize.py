@@ -146,6 +146,16 @@ class TreeBatch:
         """
         return self.valid & (self.depth == self.node_index)
 
+    @functools.cached_property
+    def greedy_chain(self) -> torch.Tensor:
+        """[B, T] bool: the root and the chain of first children below it. Both
+        builders lay siblings out best first, so this is the drafter's greedy
+        chain, what a stock EAGLE chain would have proposed; the adaptive budget
+        prices it apart from the tree."""
+        first = (self.child_rank == 0) & self.valid
+        on_path = torch.gather(first, 1, self.ancestors.flatten(1)).view(self.ancestors.shape)
+        return on_path.all(-1) & self.valid
+
     # ---- checks ------------------------------------------------------------
     def validate(self, vocab_size: int | None = None) -> None:
         """Check every invariant; raise TreeInvariantError naming request and node.

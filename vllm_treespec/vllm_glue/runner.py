@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vllm_treespec.policy import AdaptiveBudget
-from vllm_treespec.tree import TreeBatch, tree_mask
+from vllm_treespec.tree import Outcome, TreeBatch, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
@@ -53,7 +53,9 @@ class TreeRunnerMixin(StepCostCalibration):
         self.tree_policy: AdaptiveBudget | None = None
         if self.tree_cfg.adaptive and hasattr(self, "drafter"):
             cfg = self.tree_cfg
-            self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.max_children)
+            # A static topology fixes the tree: no chain mode to price.
+            self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.max_children,
+                                              chains=not cfg.is_static)
             self.drafter.policy = self.tree_policy
         self._step_start: float | None = None
         self._step_tokens = 0
@@ -294,7 +296,7 @@ class TreeRunnerMixin(StepCostCalibration):
         t1 = time.perf_counter()
         self._commit(step, acc)
         if self.tree_policy is not None:
-            self.tree_policy.observe_acceptance(acc.num_accepted.tolist(), step.depth,
+            self.tree_policy.observe_acceptance(Outcome.of(step.tree, acc), step.depth,
                                                 step.predicted)
         self.tree_metrics.on_verify(step, acc, t1 - t0, time.perf_counter() - t1,
                                     [self.input_batch.req_ids[i]
