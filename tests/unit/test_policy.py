@@ -452,10 +452,12 @@ def test_trees_win_where_branching_is_free_and_siblings_accept():
     assert p.plan_depth(1) >= 3 and not p.chain_mode
 
 
-def test_trees_cut_short_by_the_selection_are_not_rejections():
-    """The selection keeps depth-2 drafts on 1 tree in 4; the target accepts
-    0.9 of depth 1 and 0.8 of depth 2 beyond it. Read as rejections, the
-    trees the selection cut would put depth 2's conditional at 0.2."""
+def test_chains_cut_short_by_the_selection_are_not_rejections():
+    """Tree mode keeps depth-2 drafts on 1 tree in 4; the target accepts 0.9 of
+    depth 1 and 0.8 of depth 2 beyond it. For the chain verified whole, a chain
+    the selection cut says nothing about depth 2 (read as rejections, the cuts
+    would put its conditional at 0.2); tree mode is priced as what its
+    selection keeps, so for trees the cuts count."""
     def run(outcomes: bool):
         p = AdaptiveBudget(num_nodes=8, depth=2, width=4, probe_every=0)
         rng = random.Random(0)
@@ -463,9 +465,12 @@ def test_trees_cut_short_by_the_selection_are_not_rejections():
             cut = i % 4 != 0  # the selection kept one node
             a = int(rng.random() < 0.9)
             a += a and not cut and int(rng.random() < 0.8)
-            leaf = a == 2 or (a == 1 and cut)
-            p.observe_acceptance(Outcome([a], [leaf], [a], [leaf]) if outcomes else [a],
+            tip = a == 2 or (a == 1 and cut)
+            p.observe_acceptance(Outcome([a], [a], [tip]) if outcomes else [a],
                                  depth_used=2, predicted=0.5)
-        return p.accepted_at[1] / p.accepted_at[0]
-    assert run(outcomes=True) == pytest.approx(0.8, abs=0.1)
-    assert run(outcomes=False) < 0.35  # control: censoring read as rejection
+        return (p.chain_accepted_at[1] / p.chain_accepted_at[0],
+                p.accepted_at[1] / p.accepted_at[0])
+    chain, tree = run(outcomes=True)
+    assert chain == pytest.approx(0.8, abs=0.1)
+    assert tree < 0.35
+    assert run(outcomes=False)[0] < 0.35  # control: the cuts read as rejections

@@ -37,10 +37,10 @@ class ConditionalAcceptance:
 
     def observe(self, accepted: list[int], censored: list[bool], depth_used: int,
                 rate: float) -> None:
-        """One verified tree per entry. A censored tree's walk ended at a leaf:
-        it tells nothing about the depth below its last accepted node (counting
-        it as a rejection there would price a depth by how often the selection
-        cut trees short of it)."""
+        """One verified tree (or chain) per entry. A censored one was accepted
+        to its end: it tells nothing about the depth below (for a chain verified
+        whole, counting it as a rejection there would price the chain by how
+        often tree-mode selections cut it short)."""
         for d in range(min(depth_used, len(self.data))):
             reached = [a for a, c in zip(accepted, censored) if a > d or (a == d and not c)]
             if not reached:

@@ -33,8 +33,8 @@ and decides every step:
   Each depth is priced twice: as above (tree mode), and as the greedy chain of
   d nodes verified whole (chain mode: n(d) = d, one-wide levels, no branching
   extra, and the chain's own acceptance, which every verified tree shows for
-  the leading part of its chain). Acceptance estimates skip what a tree could
-  not show: a walk that ended at a leaf says nothing of the depth below it.
+  the leading part of its chain). The chain's estimates skip what a tree could
+  not show: a chain the selection cut short says nothing of the depth below.
 
 * **how wide to draft**: a level forwards only frontier nodes whose children
   can still be verified. In chain mode, or where the selection below keeps chains (branch_at(d)
@@ -199,7 +199,7 @@ class AdaptiveBudget:
         predicted: the sum of the (uncalibrated) probabilities of the verified
         nodes."""
         out = accepted if isinstance(accepted, Outcome) else Outcome(
-            list(accepted), [False] * len(accepted), list(accepted), [False] * len(accepted))
+            list(accepted), list(accepted), [False] * len(accepted))
         if out.accepted:
             self._obs = 0.95 * self._obs + sum(out.accepted)
             self._pred = 0.95 * self._pred + predicted
@@ -222,8 +222,13 @@ class AdaptiveBudget:
         self.chain_acceptance.observe(out.chain_accepted + zeros, out.chain_censored + falses,
                                       depth_used, rate)
         # Chain mode's chains say nothing of what trees accept beyond their chain.
+        # Tree mode is priced as what its selection keeps (``nodes_at``), so a
+        # tree the selection cut short of depth d did not accept there (read
+        # as unknown, a depth the selection seldom reaches would be priced as
+        # if every tree reached it).
         if not self._verifying_chain:
-            self.tree_acceptance.observe(out.accepted + zeros, out.censored + falses,
+            self.tree_acceptance.observe(out.accepted + zeros,
+                                         [False] * (len(out.accepted) + len(zeros)),
                                          depth_used, rate)
 
     def observe_budget(self, depth: int, nodes_per_request: float,

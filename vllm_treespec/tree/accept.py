@@ -76,28 +76,24 @@ class Outcome:
     """What a verified tree says about acceptance, for the adaptive budget.
 
     accepted:       [B] accepted draft nodes
-    censored:       [B] the walk ended at a leaf: the tree, not the target, stopped it
     chain_accepted: [B] accepted nodes on the greedy chain (a leading part of the path)
-    chain_censored: [B] the greedy chain ended there (it was accepted to its tip)
+    chain_censored: [B] the greedy chain ended there (it was accepted to its tip):
+                    the tree, not the target, stopped it
     """
 
     accepted: list[int]
-    censored: list[bool]
     chain_accepted: list[int]
     chain_censored: list[bool]
 
     @classmethod
     def of(cls, tree: TreeBatch, acc: Acceptance) -> "Outcome":
         a = acc.num_accepted
-        last = torch.gather(acc.path, 1, a.unsqueeze(1)).squeeze(1)
-        censored = (a > 0) & torch.gather(tree.is_leaf, 1, last.unsqueeze(1)).squeeze(1)
         chain = tree.greedy_chain
         D = acc.path.shape[1] - 1
         walked = torch.arange(1, D + 1, device=a.device).unsqueeze(0) <= a.unsqueeze(1)
         chain_accepted = (torch.gather(chain, 1, acc.path[:, 1:]) & walked).sum(1)
         chain_censored = chain_accepted == chain.sum(1) - 1
-        return cls(a.tolist(), censored.tolist(), chain_accepted.tolist(),
-                   chain_censored.tolist())
+        return cls(a.tolist(), chain_accepted.tolist(), chain_censored.tolist())
 
 
 def _emitted_tokens(tree: TreeBatch, path: torch.Tensor, num_accepted: torch.Tensor,
