@@ -35,12 +35,13 @@ class ConditionalAcceptance:
         self.data = [float(v) / a if a > 0 else 0.0 for v, a in zip(values, above)]
         self.seen = [1.0] * len(values)
 
-    def observe(self, accepted: list[int], censored: list[bool], depth_used: int,
-                rate: float) -> None:
+    def observe(self, accepted: list[int], depth_used: int, rate: float,
+                censored: list[bool] | None = None) -> None:
         """One verified tree (or chain) per entry. A censored one was accepted
         to its end: it tells nothing about the depth below (for a chain verified
         whole, counting it as a rejection there would price the chain by how
         often tree-mode selections cut it short)."""
+        censored = censored or [False] * len(accepted)
         for d in range(min(depth_used, len(self.data))):
             reached = [a for a, c in zip(accepted, censored) if a > d or (a == d and not c)]
             if not reached:

@@ -206,7 +206,7 @@ class AdaptiveBudget:
             self.kappa = min(max(self._obs / self._pred, 0.05), 20.0)
         # Requests of the drafting step that verified nothing accepted nothing
         # (for their chains too: the selection judged even its first node hopeless).
-        zeros, falses = [0] * self._unverified, [False] * self._unverified
+        zeros = [0] * self._unverified
         self._unverified = 0
         # Weighted by trees, not steps: the estimate spans about 1 / RATE_PER_TREE
         # trees. At batch 1 one step is one Bernoulli outcome; a per-step EWMA of
@@ -219,17 +219,15 @@ class AdaptiveBudget:
         # stock chains gained 14-18 % on the same turns).
         rate = self.RATE_OFF_PROBE if self._probing_while_off else self.RATE_PER_TREE
         self._probing_while_off = False
-        self.chain_acceptance.observe(out.chain_accepted + zeros, out.chain_censored + falses,
-                                      depth_used, rate)
+        self.chain_acceptance.observe(out.chain_accepted + zeros, depth_used, rate,
+                                      censored=out.chain_censored + [False] * len(zeros))
         # Chain mode's chains say nothing of what trees accept beyond their chain.
         # Tree mode is priced as what its selection keeps (``nodes_at``), so a
         # tree the selection cut short of depth d did not accept there (read
         # as unknown, a depth the selection seldom reaches would be priced as
         # if every tree reached it).
         if not self._verifying_chain:
-            self.tree_acceptance.observe(out.accepted + zeros,
-                                         [False] * (len(out.accepted) + len(zeros)),
-                                         depth_used, rate)
+            self.tree_acceptance.observe(out.accepted + zeros, depth_used, rate)
 
     def observe_budget(self, depth: int, nodes_per_request: float,
                        branching: bool = False, unverified: int = 0) -> None:
