@@ -126,7 +126,9 @@ class StatsFile:
         self.min_interval_s = min_interval_s
         self._last = 0.0
 
-    def publish(self, totals: dict[str, Any], force: bool = False) -> None:
+    def publish(self, totals: Callable[[], dict[str, Any]], force: bool = False) -> None:
+        """Write ``totals()`` if the last write is ``min_interval_s`` old (or
+        ``force``); a callable, since most steps write nothing."""
         if self.path is None:
             return
         now = time.monotonic()
@@ -134,7 +136,7 @@ class StatsFile:
             return
         self._last = now
         try:
-            write_json_atomic(self.path, totals)
+            write_json_atomic(self.path, totals())
         except OSError as e:  # metrics must never break serving
             logger.debug("eagle3_tree: could not publish stats: %s", e)
 

@@ -97,6 +97,18 @@ def test_outcome_of_a_hand_tree():
     assert left == Outcome([2], [1], [False])  # off the chain at node 4
     down = Outcome.of(tree, greedy_accept(tree, torch.tensor([[1, 3, 0, 6, 0, 0, 7]])))
     assert down == Outcome([3], [3], [True])   # the whole chain
+    assert not tree.is_chain
+
+
+def test_a_batch_of_chains_is_its_own_greedy_chain():
+    """The shortcut for chain batches (every valid node on the chain) agrees
+    with reading first children; padding stays off the chain."""
+    tree = TreeBatch.from_parents([[10, 1, 2, 3], [11, 4]], [[0, 0, 1, 2], [0, 0]],
+                                  tree_size=4, max_children=2)
+    assert tree.is_chain
+    assert tree.greedy_chain.tolist() == [[True] * 4, [True, True, False, False]]
+    out = Outcome.of(tree, greedy_accept(tree, torch.tensor([[1, 2, 9, 0], [4, 0, 0, 0]])))
+    assert out == Outcome([2, 1], [2, 1], [False, True])
 
 
 @given(tree_batches(max_nodes=10, vocab=5, max_children=3), st.integers(0, 2**31))

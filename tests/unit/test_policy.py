@@ -280,6 +280,28 @@ def test_a_drafting_step_pays_the_first_pass_an_off_step_skips():
     assert cheap.plan_depth(1) == 1 and dear.plan_depth(1) == 0
 
 
+def test_a_depth_one_step_pays_the_fixed_drafting_work():
+    """The drafting step's work besides its first pass and levels (planning, the
+    roots' log-probs, selection, hand-over) is paid at every depth: a depth-1
+    step runs no level to carry it. Served, leaving it out priced depth-1 trees
+    5 ms under what they cost."""
+    free, fixed = policy(accept=(0.2,) + (0.0,) * 5), policy(accept=(0.2,) + (0.0,) * 5)
+    for p, rest in ((free, 0.0), (fixed, 0.012)):
+        for _ in range(20):
+            p.observe_draft(2, 0.001, levels=0, nodes_forwarded=0, levels_s=0.0,
+                            batch=1, overhead_s=rest)
+    assert free.draft_overhead(1) == pytest.approx(0.0, abs=1e-5)
+    assert fixed.draft_overhead(1) == pytest.approx(0.012)
+    assert free.predicted_ratio(1, 1) > fixed.predicted_ratio(1, 1) + 0.15
+    assert free.plan_depth(1) == 1 and fixed.plan_depth(1) == 0
+    # Fixed per step: deeper steps pay it once, not per level.
+    for _ in range(20):
+        fixed.observe_draft(2, 0.001, levels=2, nodes_forwarded=2, levels_s=0.004,
+                            batch=1, overhead_s=0.012)
+    assert fixed.level_cost(1) == pytest.approx(0.002, rel=0.05)
+    assert fixed.draft_overhead(1) == pytest.approx(0.012)
+
+
 def test_drafting_steps_that_verify_nothing_count_as_no_gain():
     """The selection may keep no node on most steps (an unconfident drafter): those
     steps still paid for drafting. If only the verified (confident) steps fed the

@@ -13,8 +13,9 @@ and decides every step:
 
   where t(N) is the step time for N verified tokens (a piecewise-linear table
   from a timing sweep at startup, refined online), t_draft(d) the measured drafting
-  time (the drafter's first pass over the verified tokens plus d - 1 levels of
-  ``level_width(d)`` nodes per request), A(d) the accepted drafts per request
+  time (the drafter's first pass over the verified tokens, the step's fixed
+  drafting work around it, and d - 1 levels of ``level_width(d)`` nodes per
+  request), A(d) the accepted drafts per request
   seen so far at depth <= d (per drafted request: one the selection left
   without drafts accepted none), and
   n(d) the nodes per request that trees drafted to depth d kept after the node
@@ -89,6 +90,10 @@ class AdaptiveBudget:
         self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
         self.level_cost = LinearFit()         # seconds per drafting level vs B*width
         self.first_pass_cost = LinearFit()    # seconds of the drafter's first pass vs tokens
+        # Seconds of a drafting step besides its first pass and levels, vs batch:
+        # planning, the roots' draft log-probs and top-k, the selection, the
+        # hand-over. Fixed per step, so a depth-1 step (no level) pays it too.
+        self.draft_overhead = LinearFit()
         self.kappa = 1.0                      # calibration of draft probabilities
         self._pred, self._obs = 1e-6, 1e-6
         # Acceptance of the trees drafted in tree mode, and of the greedy chain
@@ -185,10 +190,14 @@ class AdaptiveBudget:
                 self.branch_cost = self._branching_steps[1] - chain
 
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
-                      nodes_forwarded: int, levels_s: float) -> None:
-        """A drafting step: its first pass, and ``levels`` levels that forwarded
-        ``nodes_forwarded`` nodes in all (batch x width, summed over levels)."""
+                      nodes_forwarded: int, levels_s: float, batch: int = 0,
+                      overhead_s: float = 0.0) -> None:
+        """A drafting step: its first pass, ``levels`` levels that forwarded
+        ``nodes_forwarded`` nodes in all (batch x width, summed over levels), and
+        the rest of the step's drafting work for ``batch`` requests (if given)."""
         self.first_pass_cost.add(first_pass_tokens, first_pass_s)
+        if batch > 0:
+            self.draft_overhead.add(batch, max(overhead_s, 0.0))
         if levels > 0:
             self.level_cost.add(nodes_forwarded / levels, levels_s / levels)
 
@@ -249,9 +258,6 @@ class AdaptiveBudget:
             self.branch_at[depth - 1] = 0.8 * self.branch_at[depth - 1] + 0.2 * branching
 
     # ---------------------------------------------------------------- decide
-    def _nodes_for_depth(self, d: int) -> float:
-        return min(float(self.M), self.nodes_at[d - 1])
-
     def level_width(self, d: int) -> int:
         """Frontier nodes per request that this step, drafted to depth ``d``,
         forwards at each level: the chain's tip alone in chain mode, or while
@@ -268,24 +274,35 @@ class AdaptiveBudget:
         tree mode, at the size, width and branching tree-mode selections at that
         depth had; with ``chain``, the greedy chain of ``d`` nodes verified whole,
         as stock EAGLE's chain is."""
-        plain = self.step_cost(batch)
-        if plain is None:
-            return None
         if d == 0:
-            return 1.0
-        n = float(d) if chain else self._nodes_for_depth(d)
-        width = 1 if chain else self._tree_level_width(d)
-        t = self.step_cost(batch * (1 + n))
-        # An off step skips the drafter entirely, so a drafting step pays its
-        # first pass as well as its levels.
-        draft = ((self.first_pass_cost(batch * (1 + n)) or 0.0)
-                 + (self.level_cost(batch * width) or 0.0) * (d - 1))
+            return None if self.step_cost(batch) is None else 1.0
+        ratios = self._ratios(batch)
+        return None if ratios is None else float(ratios[d - 1, int(chain)])
+
+    def _ratios(self, batch: int) -> np.ndarray | None:
+        """[depth, 2] predicted ratios of every depth as a tree (column 0) and
+        as a chain (column 1); one pass, since ``plan_depth`` runs every step."""
+        D = self.D
+        depths = np.arange(1, D + 1, dtype=np.float64)
+        nodes = np.stack([np.minimum(float(self.M), np.asarray(self.nodes_at)), depths], 1)
+        t = self.step_cost.costs(np.concatenate([[batch], (batch * (1 + nodes)).ravel()]))
         if t is None:
             return None
-        if not chain:
-            t += max(self.branch_cost, 0.0) * self.branch_at[d - 1]
-        gain = 1.0 + sum((self.chain_accepted_at if chain else self.accepted_at)[:d])
-        return (gain / (t + draft)) / (1.0 / plain)
+        plain, verify = t[0], t[1:].reshape(D, 2)
+        # Trees pay the branching extra as often as trees drafted there branched.
+        verify[:, 0] += max(self.branch_cost, 0.0) * np.asarray(self.branch_at)
+        # An off step skips the drafter entirely, so a drafting step pays its
+        # first pass and its fixed work as well as its levels. Served traces
+        # priced a depth-1 tree 5 ms under its cycle while the fixed work was
+        # left out (no level ran to carry it).
+        first = np.array([[self.first_pass_cost(batch * (1 + n)) or 0.0 for n in row]
+                          for row in nodes])
+        levels = {w: self.level_cost(batch * w) or 0.0 for w in (1, self.K)}
+        per_level = np.array([[levels[self._tree_level_width(d)], levels[1]]
+                              for d in range(1, D + 1)])
+        draft = first + (self.draft_overhead(batch) or 0.0) + per_level * (depths - 1)[:, None]
+        gain = 1.0 + np.cumsum(np.array([self.accepted_at, self.chain_accepted_at]).T, 0)
+        return gain / (verify + draft) * plain
 
     def plan_depth(self, batch: int) -> int:
         """Drafting depth for this step (0 = no tree levels), and ``chain_mode``.
@@ -298,13 +315,14 @@ class AdaptiveBudget:
         plain decoding, in one process). Ties go to the tree, which sees more.
         """
         self._steps += 1
+        ratios = self._ratios(batch)
+        if ratios is None:  # no cost model yet: speculate fully
+            self.last_depth, self.chain_mode = self.D, False
+            return self.D
         best_d, best, chain_mode = 0, 1.0 + self.margin, False
         for d in range(1, self.D + 1):
             for chain in (False, True) if self.chains else (False,):
-                r = self.predicted_ratio(batch, d, chain)
-                if r is None:  # no cost model yet: speculate fully
-                    self.last_depth, self.chain_mode = self.D, False
-                    return self.D
+                r = float(ratios[d - 1, int(chain)])
                 if r > best:
                     best_d, best, chain_mode = d, r, chain
         self.probing = self._probe_due(best_d)
@@ -349,41 +367,44 @@ class AdaptiveBudget:
         """
         B = scores.shape[0]
         self._verifying_chain = self.chain_mode
+        dev = scores.device
         if self.chain_mode:  # as priced: the chain, whole
             depth = min(self.last_depth, max_nodes)
-            return torch.full((B,), depth, dtype=torch.long, device=scores.device), True
-        q = (self.kappa * torch.exp(scores.float())).clamp(max=1.0)
-        q = torch.nan_to_num(q, nan=0.0)
+            return torch.full((B,), depth, dtype=torch.long, device=dev), True
         if self.step_cost.costs(np.array([B])) is None:
-            return torch.full((B,), max_nodes, dtype=torch.long, device=scores.device), False
-        tree = self._best_prefix(q, max_nodes, max(self.branch_cost, 0.0))
+            return torch.full((B,), max_nodes, dtype=torch.long, device=dev), False
+        # A few dozen candidates a request: numpy, on the host, costs a fraction
+        # of what the same dozen small torch ops cost every step.
+        q = np.nan_to_num(np.minimum(self.kappa * np.exp(scores.float().cpu().numpy()), 1.0),
+                          nan=0.0)
+        m = min(max_nodes, q.shape[1])
+        cost = self.step_cost.costs(B + np.arange(B * m + 1))
+        tree = self._best_prefix(q, m, cost, max(self.branch_cost, 0.0))
         if chain is None:
-            return tree[0], False
-        chain_pick = self._best_prefix(torch.where(chain, q, torch.zeros_like(q)), max_nodes,
-                                       0.0)
+            return torch.from_numpy(tree[0]).to(dev), False
+        chain_pick = self._best_prefix(np.where(chain.cpu().numpy(), q, 0.0), m, cost, 0.0)
         if self.probing:
             # A probe verifies each request's chain down to the probed depth even
             # when the estimates say no: otherwise estimates that went wrong (say,
             # a drafter that was unlucky on its first requests) could never be
             # corrected, and speculation would stay off for good.
             depth = min(self.last_depth, max_nodes)
-            return torch.clamp(chain_pick[0], min=depth), True
-        return (chain_pick[0], True) if chain_pick[1] >= tree[1] else (tree[0], False)
+            return torch.from_numpy(np.maximum(chain_pick[0], depth)).to(dev), True
+        pick, chain_only = (chain_pick, True) if chain_pick[1] >= tree[1] else (tree, False)
+        return torch.from_numpy(pick[0]).to(dev), chain_only
 
-    def _best_prefix(self, q: torch.Tensor, max_nodes: int,
-                     extra: float) -> tuple[torch.Tensor, float]:
-        """Budgets of the batch-wide best prefix of candidates by q, and its rate."""
+    @staticmethod
+    def _best_prefix(q: np.ndarray, m: int, cost: np.ndarray,
+                     extra: float) -> tuple[np.ndarray, float]:
+        """Budgets [B] of the batch-wide best prefix of candidates by q (each
+        request's ``m`` best), and its rate; ``cost[k]``: a step verifying k nodes."""
         B = q.shape[0]
-        top = torch.topk(q, min(max_nodes, q.shape[1]), dim=1).values      # [B, m]
-        flat, _ = torch.sort(top.reshape(-1), descending=True)
-        k = np.arange(flat.numel() + 1)
-        cost = torch.from_numpy(self.step_cost.costs(B + k) + extra * (k > 0)).float()
-        gain = B + torch.cat([flat.new_zeros(1), torch.cumsum(flat.cpu(), 0)])
-        rate = gain / cost
-        best_k = int(torch.argmax(rate))
-        if best_k == 0 or float(flat[best_k - 1]) <= 0.0:
-            return torch.zeros(B, dtype=torch.long, device=q.device), float(rate[0])
-        threshold = flat[best_k - 1]
+        top = -np.sort(-q, axis=1)[:, :m]                                  # [B, m]
+        flat = -np.sort(-top.ravel())
+        gain = B + np.concatenate([[0.0], np.cumsum(flat, dtype=np.float64)])
+        rate = gain / (cost + extra * (np.arange(flat.size + 1) > 0))
+        best_k = int(np.argmax(rate))
+        if best_k == 0 or flat[best_k - 1] <= 0.0:
+            return np.zeros(B, dtype=np.int64), float(rate[0])
         # Nodes at or above the threshold (ties may add a few; harmless).
-        return (top >= threshold).sum(1).clamp(max=max_nodes).long(), float(rate[best_k])
-
+        return (top >= flat[best_k - 1]).sum(1).astype(np.int64), float(rate[best_k])

@@ -147,11 +147,18 @@ class TreeBatch:
         return self.valid & (self.depth == self.node_index)
 
     @functools.cached_property
+    def is_chain(self) -> bool:
+        """Every tree is a chain (all valid nodes ``causal_exact``). One host sync."""
+        return bool(torch.equal(self.causal_exact, self.valid))
+
+    @functools.cached_property
     def greedy_chain(self) -> torch.Tensor:
         """[B, T] bool: the root and the chain of first children below it. Both
         builders lay siblings out best first, so this is the drafter's greedy
         chain, what a stock EAGLE chain would have proposed; the adaptive budget
         prices it apart from the tree."""
+        if self.is_chain:
+            return self.valid
         first = (self.child_rank == 0) & self.valid
         on_path = torch.gather(first, 1, self.ancestors.flatten(1)).view(self.ancestors.shape)
         return on_path.all(-1) & self.valid

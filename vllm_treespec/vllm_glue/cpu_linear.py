@@ -49,7 +49,16 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-@torch.library.custom_op("vllm_treespec::small_m_linear", mutates_args=())
+# The op runs in every linear layer of every forward, whatever its row count,
+# so it is defined with ``torch.library.Library`` and a plain CPU kernel, not the
+# ``custom_op`` decorator: the decorator's Python wrappers cost ~20 us a call
+# (measured: 24 us against 9 us for a trivial op), ~2.5 ms a forward over the
+# target's and the drafter's layers, which made a 16-request decode forward 15 %
+# slower than in plain vLLM (49.4 against 42.9 ms) while speculation was off.
+_LIB = torch.library.Library("vllm_treespec", "FRAGMENT")
+_LIB.define("small_m_linear(Tensor x, Tensor? bias, int key, int out_features) -> Tensor")
+
+
 def small_m_linear(x: torch.Tensor, bias: torch.Tensor | None, key: int,
                    out_features: int) -> torch.Tensor:
     weight, stock = _LAYERS[key]
@@ -65,7 +74,10 @@ def small_m_linear(x: torch.Tensor, bias: torch.Tensor | None, key: int,
     return y.reshape(*x.shape[:-1], out_features)
 
 
-@small_m_linear.register_fake
+_LIB.impl("small_m_linear", small_m_linear, "CPU")
+
+
+@torch.library.register_fake("vllm_treespec::small_m_linear")
 def _(x: torch.Tensor, bias: torch.Tensor | None, key: int,
       out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)

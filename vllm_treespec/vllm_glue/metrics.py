@@ -132,7 +132,7 @@ class TreeMetrics:
         depth_hist = torch.bincount(a, minlength=tree.max_depth + 1).tolist()
         # accepted_at_depth[d]: trees that accepted at least d+1 drafts
         at_least = [sum(depth_hist[d + 1:]) for d in range(len(depth_hist) - 1)]
-        chain = bool(torch.equal(tree.causal_exact, tree.valid))
+        chain = tree.is_chain
         for t in self._both():
             t.steps += 1
             t.chain_steps += chain
@@ -157,13 +157,13 @@ class TreeMetrics:
                 "ms": {"prepare": round(1e3 * step.prepare_s, 3),
                        "forward": round(1e3 * self._forward_s, 3),
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
-        self.stats.publish(dataclasses.asdict(self.total))
+        self.stats.publish(lambda: dataclasses.asdict(self.total))
         self._maybe_log()
 
     def on_draft_fault(self) -> None:
         for t in self._both():
             t.draft_faults += 1
-        self.stats.publish(dataclasses.asdict(self.total), force=True)
+        self.stats.publish(lambda: dataclasses.asdict(self.total), force=True)
 
     def on_draft(self, seconds: float) -> None:
         for t in self._both():

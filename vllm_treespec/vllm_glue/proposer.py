@@ -167,6 +167,7 @@ class TreeEagleProposer(EagleProposer):
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
             return self._finish_off_step(cad, req_ids, t0)
+        t_before_catch_up = time.perf_counter()
         if len(self.deferred):
             positions = self._get_positions(num_tokens)
             self._catch_up(cad, req_ids, positions[first_rows].tolist())
@@ -202,6 +203,7 @@ class TreeEagleProposer(EagleProposer):
         dynamic = self.topology is None
         width_cap = (self.policy.level_width(depth) if self.policy is not None
                      else self.tree_cfg.top_k)
+        t_levels = time.perf_counter()
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
             F = level.tokens.shape[1]
@@ -236,6 +238,7 @@ class TreeEagleProposer(EagleProposer):
             parent_mask = side_mask
             side_offset += F
             level = builder.next_level(logprobs)
+        levels_s = time.perf_counter() - t_levels
         budget, chain_only = None, False
         if self.policy is not None and self.topology is None:
             budget, chain_only = self.policy.select(builder.candidate_scores(), builder.M,
@@ -247,11 +250,17 @@ class TreeEagleProposer(EagleProposer):
             self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
                                        branching=not chain_only,
                                        unverified=int((trees.num_nodes == 0).sum()))
-            self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
-                                      nodes_forwarded, time.perf_counter() - t_first)
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
-        return self._finish_step(self._hand_over(trees), t0)
+        drafts = self._hand_over(trees)
+        if self.policy is not None:
+            # The rest of the step (planning, roots, selection, hand-over) is
+            # fixed drafting work; catching up belongs to the off steps before.
+            rest = (time.perf_counter() - t0) - (t_first - t_before_catch_up) - levels_s
+            self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
+                                      nodes_forwarded, levels_s, batch=batch_size,
+                                      overhead_s=rest)
+        return self._finish_step(drafts, t0)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:

@@ -241,7 +241,7 @@ class TreeRunnerMixin(StepCostCalibration):
             block_size=bt.block_size, tree_mask=tree_mask(tree),
             max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
         total = int(self.query_start_loc.np[step.num_reqs])
-        chain_only = bool(torch.equal(tree.causal_exact, tree.valid))
+        chain_only = tree.is_chain
         self._step_branching = not chain_only
         return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
                               chain_only=chain_only, spare_blocks=self.tree_spare_blocks)

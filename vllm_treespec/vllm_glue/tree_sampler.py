@@ -215,6 +215,11 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
                  and md.max_num_logprobs is None)
     base = None if skip_base else sampler(logits=logits[first_rows], sampling_metadata=md)
     # 2. Tree requests: node distributions and acceptance.
+    if skip_base and md.allowed_token_ids_mask is None and md.no_penalties:
+        # Greedy and nothing to process: the argmax of the raw rows, without
+        # copying every node's logits (the batch-1 step's common case).
+        return _output(num_reqs, None, step,
+                       greedy_accept(step.tree, logits.argmax(-1)[_node_rows(step)]))
     processed = processed_node_logits(logits, step, md)
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
         else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
@@ -224,15 +229,24 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
         uniforms, noise = _random_draws(step, probs.shape[-1])
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
         acc = _seeded_acceptance(step, seeds, processed, probs, greedy, acc)
-    width = acc.tokens.shape[1]
-    out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32, device=dev)
-    if base is not None:
-        out[:, 0] = base.sampled_token_ids[:, 0]
-    out[step.req_index] = acc.tokens.to(torch.int32)
     logprobs = None
     if base is not None and md.max_num_logprobs is not None \
             and base.logprobs_tensors is not None:
-        logprobs = _logprobs(sampler, logits, processed, step, md, acc, base, width)
+        logprobs = _logprobs(sampler, logits, processed, step, md, acc, base,
+                             acc.tokens.shape[1])
+    return _output(num_reqs, base, step, acc, logprobs)
+
+
+def _output(num_reqs: int, base, step: VerifyStep, acc: Acceptance,
+            logprobs: LogprobsTensors | None = None) -> tuple[SamplerOutput, Acceptance]:
+    """[num_reqs, width] emitted tokens: tree requests' from ``acc``, the others'
+    from vLLM's sampler (``base``)."""
+    width = acc.tokens.shape[1]
+    out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32,
+                     device=acc.tokens.device)
+    if base is not None:
+        out[:, 0] = base.sampled_token_ids[:, 0]
+    out[step.req_index] = acc.tokens.to(torch.int32)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs), acc
 
 
