@@ -300,6 +300,11 @@ def test_a_depth_one_step_pays_the_fixed_drafting_work():
                             batch=1, overhead_s=0.012)
     assert fixed.level_cost(1) == pytest.approx(0.002, rel=0.05)
     assert fixed.draft_overhead(1) == pytest.approx(0.012)
+    # Depth 3 as a chain, by hand: 3 nodes verified, first pass + fixed work + 2 levels.
+    gain = 1.0 + sum(fixed.chain_accepted_at[:3])
+    step = fixed.step_cost(4) + fixed.first_pass_cost(4) + 0.012 + 2 * fixed.level_cost(1)
+    assert fixed.predicted_ratio(1, 3, chain=True) == pytest.approx(
+        gain / step * fixed.step_cost(1), rel=1e-3)
 
 
 def test_drafting_steps_that_verify_nothing_count_as_no_gain():

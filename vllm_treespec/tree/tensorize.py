@@ -158,7 +158,7 @@ class TreeBatch:
         chain, what a stock EAGLE chain would have proposed; the adaptive budget
         prices it apart from the tree."""
         if self.is_chain:
-            return self.valid
+            return self.valid.clone()
         first = (self.child_rank == 0) & self.valid
         on_path = torch.gather(first, 1, self.ancestors.flatten(1)).view(self.ancestors.shape)
         return on_path.all(-1) & self.valid

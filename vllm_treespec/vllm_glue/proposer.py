@@ -250,13 +250,17 @@ class TreeEagleProposer(EagleProposer):
             self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
                                        branching=not chain_only,
                                        unverified=int((trees.num_nodes == 0).sum()))
+        t_check = time.perf_counter()
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
+        check_s = time.perf_counter() - t_check
         drafts = self._hand_over(trees)
         if self.policy is not None:
             # The rest of the step (planning, roots, selection, hand-over) is
-            # fixed drafting work; catching up belongs to the off steps before.
-            rest = (time.perf_counter() - t0) - (t_first - t_before_catch_up) - levels_s
+            # fixed drafting work; catching up belongs to the off steps before,
+            # and validation (a debugging mode) must not price speculation out.
+            rest = ((time.perf_counter() - t0) - (t_first - t_before_catch_up) - levels_s
+                    - check_s)
             self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest)

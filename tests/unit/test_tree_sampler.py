@@ -1,0 +1,49 @@
+"""The tree sampler's greedy fast path (argmax of the raw logit rows) against
+the general path (every node's logits copied and processed first)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm_treespec.tree import TreeBatch  # noqa: E402
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees  # noqa: E402
+
+V = 16
+
+
+def _step_and_logits(dtype: torch.dtype):
+    # Request 0: root -> 1, 2, 3; 1 -> 4 (4 drafts). Request 1: root -> 5; 5 -> 6
+    # (2 drafts, one padding node in a tree of 5).
+    tree = TreeBatch.from_parents([[9, 1, 2, 3, 4], [9, 5, 6]],
+                                  [[0, 0, 0, 0, 1], [0, 0, 1]], tree_size=5, max_children=3)
+    step = VerifyStep(req_index=torch.tensor([0, 1]), tree=tree,
+                      prefix_len=torch.tensor([10, 20]), token_start=torch.tensor([0, 5]),
+                      logit_start=torch.tensor([0, 5]), num_reqs=2)
+    spec_md = SimpleNamespace(num_draft_tokens=[4, 2], cu_num_sampled_tokens=torch.tensor([5, 8]))
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(0))
+    logits[0, 1] = logits[1, 4] = logits[4, 11] = 9.0  # request 0 accepts 1 -> 4, then 11
+    logits[5, 5] = logits[6, 12] = 9.0                  # request 1 accepts 5, then rejects 6
+    return step, spec_md, logits.to(dtype)
+
+
+def _metadata(mask: torch.Tensor | None):
+    return SimpleNamespace(all_greedy=True, max_num_logprobs=None, no_penalties=True,
+                           allowed_token_ids_mask=mask, temperature=None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_fast_path_equals_the_processed_path(dtype):
+    step, spec_md, logits = _step_and_logits(dtype)
+    fast, fast_acc = sample_with_trees(None, logits, spec_md, _metadata(None), step, {})
+    # An allowed-token mask that masks nothing sends the same batch the general way.
+    slow, slow_acc = sample_with_trees(None, logits, spec_md,
+                                       _metadata(torch.zeros(2, V, dtype=torch.bool)), step, {})
+    assert fast.sampled_token_ids.tolist() == slow.sampled_token_ids.tolist()
+    assert torch.equal(fast_acc.path, slow_acc.path)
+    assert fast.sampled_token_ids.tolist() == [[1, 4, 11], [5, 12, -1]]
+    assert fast_acc.num_accepted.tolist() == [2, 1]
