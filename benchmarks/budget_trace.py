@@ -34,8 +34,12 @@ def install(log: list):
         plan_depth, observe_step = policy.plan_depth, policy.observe_step
 
         def plan(batch):
-            preds = {f"{d}{'c' if c else 't'}": policy.predicted_ratio(batch, d, c)
-                     for d in range(1, policy.D + 1) for c in (False, True)}
+            # One pass over every depth (as plan_depth prices them): the hook's own
+            # time falls inside the plan-to-plan cycle it measures.
+            ratios = policy._ratios(batch)
+            preds = None if ratios is None else {
+                f"{d}{'c' if c else 't'}": float(ratios[d - 1, int(c)])
+                for d in range(1, policy.D + 1) for c in (False, True)}
             depth = plan_depth(batch)
             log.append({"t": time.perf_counter(), "kind": "plan", "d": depth,
                         "chain": policy.chain_mode, "probe": policy.probing, "preds": preds,

@@ -371,14 +371,14 @@ class AdaptiveBudget:
         if self.chain_mode:  # as priced: the chain, whole
             depth = min(self.last_depth, max_nodes)
             return torch.full((B,), depth, dtype=torch.long, device=dev), True
-        if self.step_cost.costs(np.array([B])) is None:
+        m = min(max_nodes, scores.shape[1])
+        cost = self.step_cost.costs(B + np.arange(B * m + 1))  # a step verifying k nodes
+        if cost is None:
             return torch.full((B,), max_nodes, dtype=torch.long, device=dev), False
         # A few dozen candidates a request: numpy, on the host, costs a fraction
         # of what the same dozen small torch ops cost every step.
         q = np.nan_to_num(np.minimum(self.kappa * np.exp(scores.float().cpu().numpy()), 1.0),
                           nan=0.0)
-        m = min(max_nodes, q.shape[1])
-        cost = self.step_cost.costs(B + np.arange(B * m + 1))
         tree = self._best_prefix(q, m, cost, max(self.branch_cost, 0.0))
         if chain is None:
             return torch.from_numpy(tree[0]).to(dev), False
