@@ -5,7 +5,8 @@
 Every method is served in turn on 127.0.0.1 with identical flags; turns run at
 concurrency 1 (per-turn tok/s, speedup vs the first method, acceptance length
 from /metrics deltas), then at each extra ``--concurrency`` level (aggregate
-throughput). Writes DIR/summary.json, DIR/summary.md, PNG plots, per-turn
+throughput; the prefix cache is emptied before each, see
+``Server.reset_prefix_cache``). Writes DIR/summary.json, DIR/summary.md, PNG plots, per-turn
 results, the materialised dataset (usable by ``vllm bench serve``), and each
 server's log. Methods take options: ``eagle3:k=4``,
 ``eagle3_tree:num_nodes=16,depth=5,top_k=4``.
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = sorted({int(c) for c in args.concurrency.split(",")} | {1})
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_OMP_THREADS_BIND": args.threads_bind or os.environ.get(
-               "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
+               "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),
+           "VLLM_SERVER_DEV_MODE": "1"}  # for Server.reset_prefix_cache
     serve_args = shlex.split(args.serve_args)
     if "--max-num-seqs" not in serve_args:
         serve_args += ["--max-num-seqs", str(max(concurrency))]
@@ -187,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ms = _summarise(res_c1, results, methods, spec, read_window(window_path))
             for c in concurrency[1:]:
                 log(f"{label}: concurrency {c}")
+                server.reset_prefix_cache()  # every method meets these prompts cold
                 m0 = server.metrics()
                 res_c, wall = drv.run_concurrent(resolved, c)
                 s = report.method_summary(res_c, None, (m0, server.metrics()))

@@ -73,6 +73,21 @@ class Server:
         text = urllib.request.urlopen(self.base_url + "/metrics", timeout=30).read().decode()
         return parse_prometheus(text)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the server's prefix cache (needs VLLM_SERVER_DEV_MODE=1 in ``env``).
+
+        The concurrency phases resend prompts the server has already seen. Plain
+        decoding then reuses their cached blocks, while EAGLE methods (stock and
+        tree) cannot: vLLM drops the last matched block for them, and on the CPU a
+        block is 128 tokens, i.e. the whole cacheable part of most prompts here.
+        Starting each phase cold compares the methods on prompts none has seen.
+        """
+        req = urllib.request.Request(self.base_url + "/reset_prefix_cache", data=b"",
+                                     method="POST")
+        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        if not answer.get("success"):
+            raise RuntimeError(f"prefix cache reset refused: {answer}")
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
