@@ -20,10 +20,16 @@ prompts. A shard holds, for S sequences with n_i fed tokens each:
 
 Shards are written atomically (the ``.jsonl`` last), so an interrupted run
 resumes at the first missing shard.
+
+The answers come from an *answerer*: ``VllmAnswerer`` here (the engine captures
+the states while it decodes), or ``generate_hf.TransformersAnswerer`` for a GPU
+machine without vLLM (generate, then one forward over prompt + answer). Both
+hand ``generate_shards`` the same ``Answer`` records.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -98,12 +104,8 @@ class HiddenStateCapture:
         n = len(runner.input_batch.req_ids)
         qsl = runner.query_start_loc.np[: n + 1].copy()
         total = int(qsl[-1])
-        packed = torch.stack([*aux, hidden], dim=1)[:total]
-        big = packed.abs() > FP16_MAX
-        if bool(big.any()):
-            self.overflow += int(big.sum())
-            packed = packed.clamp(-FP16_MAX, FP16_MAX)
-        packed = packed.to(torch.float16).numpy()
+        packed, overflow = fp16_states(torch.stack([*aux, hidden], dim=1)[:total])
+        self.overflow += overflow
         pos = positions[:total].numpy().copy()
         ids = input_ids[:total].numpy().copy()
         for i, rid in enumerate(runner.input_batch.req_ids[:n]):
@@ -135,21 +137,68 @@ class HiddenStateCapture:
         self.chunks.clear()
 
 
-def sampling_for(prompt_id: str, seed: int, greedy_frac: float, temperatures: list[float], max_tokens: int):
-    """Per-prompt sampling settings, deterministic in (seed, prompt id).
+@dataclasses.dataclass
+class Answer:
+    """One answered prompt: its tokens and the states at every fed position."""
+
+    prompt_ids: list[int]
+    gen_ids: list[int]       # the answer, its stop token included
+    text: str
+    finish_reason: str       # "stop" or "length"
+    fed_ids: np.ndarray      # [n] the tokens the states were computed on
+    hidden: np.ndarray       # [n, A + 1, d] fp16 (n = len(prompt + answer) - 1)
+
+
+class VllmAnswerer:
+    """Answers through an in-process vLLM engine, capturing states as it decodes."""
+
+    def __init__(self, llm, aux_layers: tuple[int, ...]):
+        self.llm = llm
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = llm.llm_engine.model_config.max_model_len
+        self.capture = HiddenStateCapture(llm, aux_layers)
+
+    @property
+    def overflow(self) -> int:
+        return self.capture.overflow
+
+    def answer(self, texts: list[str], settings: list[tuple[float, int]]) -> list[Answer]:
+        """``settings``: (temperature, max new tokens) per text."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=t, max_tokens=m) for t, m in settings]
+        self.capture.clear()
+        answers = []
+        for out in self.llm.generate(texts, params, use_tqdm=False):
+            prompt_ids, gen = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+            ids, hid = self.capture.pop(out.request_id, len(prompt_ids) + len(gen) - 1)
+            answers.append(Answer(prompt_ids, gen, out.outputs[0].text,
+                                  out.outputs[0].finish_reason, ids, hid))
+        return answers
+
+
+def fp16_states(packed: torch.Tensor) -> tuple[np.ndarray, int]:
+    """States as stored in a shard (fp16, clamped) and how many values overflowed."""
+    big = packed.abs() > FP16_MAX
+    overflow = int(big.sum())
+    if overflow:
+        packed = packed.clamp(-FP16_MAX, FP16_MAX)
+    return packed.to(torch.float16).cpu().numpy(), overflow
+
+
+def sampling_for(prompt_id: str, seed: int, greedy_frac: float,
+                 temperatures: list[float]) -> float:
+    """Per-prompt sampling temperature (0: greedy), deterministic in (seed, prompt id).
 
     Sampled answers use plain temperature sampling from the engine's seeded
     generator: per-request seeds and top-p each cost vLLM's CPU sampler
     several-fold throughput (measured: 204 tok/s plain, 112 with top-p,
     43 with per-request seeds, 23 with both, at batch 64).
     """
-    from vllm import SamplingParams
-
     rng = random.Random(f"{seed}:{prompt_id}")
     if rng.random() < greedy_frac:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens), 0.0
-    t = rng.choice(temperatures)
-    return SamplingParams(temperature=t, max_tokens=max_tokens), t
+        return 0.0
+    return rng.choice(temperatures)
 
 
 def shard_paths(data_dir: Path, index: int) -> tuple[Path, Path]:
@@ -157,7 +206,7 @@ def shard_paths(data_dir: Path, index: int) -> tuple[Path, Path]:
 
 
 def generate_shards(
-    llm,
+    answerer,
     prompts: list[dict],
     data_dir: Path,
     *,
@@ -172,7 +221,8 @@ def generate_shards(
     deadline: float | None = None,
     shard_seconds: float = 0.0,
 ) -> dict:
-    """Answer ``prompts`` shard by shard, skipping shards already on disk.
+    """Answer ``prompts`` shard by shard with ``answerer`` (``VllmAnswerer`` or
+    ``TransformersAnswerer``), skipping shards already on disk.
 
     With a ``deadline`` (``time.time()`` value), no shard is started that would
     not finish before it, by the mean of ``shard_seconds`` (earlier invocations)
@@ -181,9 +231,8 @@ def generate_shards(
     from tqdm import tqdm
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = llm.get_tokenizer()
-    capture = HiddenStateCapture(llm, aux_layers)
-    max_len = llm.llm_engine.model_config.max_model_len
+    tokenizer = answerer.tokenizer
+    max_len = answerer.max_model_len
     stats = {"tokens": 0, "new_tokens": 0, "seconds": 0.0, "shards": 0, "skipped": 0,
              "stopped": False}
     blocks = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
@@ -199,41 +248,38 @@ def generate_shards(
             stats["stopped"] = True
             log(f"[generate] stopping before shard {index}: ~{expected:.0f}s left no room")
             break
-        texts, params, temps, kept = [], [], [], []
+        texts, settings, kept = [], [], []
         for p in block:
             text = tokenizer.apply_chat_template(p["messages"], tokenize=False, add_generation_prompt=True)
             n_prompt = len(tokenizer(text, add_special_tokens=False)["input_ids"])
             if n_prompt + 16 > max_len:
                 stats["skipped"] += 1
                 continue
-            sp, t = sampling_for(p["id"], seed, greedy_frac, temperatures, min(max_tokens, max_len - n_prompt))
-            texts.append(text), params.append(sp), temps.append(t), kept.append(p)
+            t = sampling_for(p["id"], seed, greedy_frac, temperatures)
+            texts.append(text), settings.append((t, min(max_tokens, max_len - n_prompt)))
+            kept.append(p)
         t0 = time.time()
-        capture.clear()
-        outputs = llm.generate(texts, params, use_tqdm=False)
+        answers = answerer.answer(texts, settings)
         dt = time.time() - t0
         tok_list, hid_list, meta = [], [], []
         tok_off, hid_off, plens = [0], [0], []
-        for p, t, out in zip(kept, temps, outputs):
-            prompt_ids = list(out.prompt_token_ids)
-            gen = list(out.outputs[0].token_ids)
-            full = np.asarray(prompt_ids + gen, np.int64)
+        for p, (t, _), a in zip(kept, settings, answers):
+            full = np.asarray(a.prompt_ids + a.gen_ids, np.int64)
             n = len(full) - 1  # the last token is sampled, never fed
-            ids, hid = capture.pop(out.request_id, n)
-            if not np.array_equal(ids, full[:n]):
+            if not np.array_equal(a.fed_ids, full[:n]) or a.hidden.shape[0] != n:
                 raise RuntimeError(f"captured tokens of {p['id']} do not match its output")
             tok_list.append(full.astype(np.int32))
-            hid_list.append(hid)
+            hid_list.append(a.hidden)
             tok_off.append(tok_off[-1] + len(full))
             hid_off.append(hid_off[-1] + n)
-            plens.append(len(prompt_ids))
+            plens.append(len(a.prompt_ids))
             meta.append({
                 "id": p["id"], "kind": p["kind"], "messages": p["messages"], "temperature": t,
-                "prompt_len": len(prompt_ids), "new_tokens": len(gen),
-                "finish_reason": out.outputs[0].finish_reason, "response": out.outputs[0].text,
+                "prompt_len": len(a.prompt_ids), "new_tokens": len(a.gen_ids),
+                "finish_reason": a.finish_reason, "response": a.text,
             })
             stats["tokens"] += n
-            stats["new_tokens"] += len(gen)
+            stats["new_tokens"] += len(a.gen_ids)
         tensors = {
             "tokens": np.concatenate(tok_list),
             "hidden": np.concatenate(hid_list),
@@ -251,10 +297,10 @@ def generate_shards(
         stats["shards"] += 1
         new = sum(m["new_tokens"] for m in meta)
         log(f"[generate] shard {index}: {len(meta)} seqs, {new} new tokens in {dt:.0f}s "
-            f"({new / dt:.0f} tok/s), fp16 overflow so far {capture.overflow}")
+            f"({new / dt:.0f} tok/s), fp16 overflow so far {answerer.overflow}")
         bar.update(1)
     bar.close()
-    stats["overflow"] = capture.overflow
+    stats["overflow"] = answerer.overflow
     return stats
 
 

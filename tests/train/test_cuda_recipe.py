@@ -1,0 +1,68 @@
+"""The CUDA recipe's delivery: the GGUF arrives in parts over several calls, each
+part is checked, and only the whole file with the pinned hash is used."""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from vllm_treespec import assets
+from vllm_treespec.train import cuda_recipe
+
+
+@pytest.fixture()
+def fake_gguf(tmp_path, monkeypatch):
+    data = os.urandom(2_500_000)
+    gguf = tmp_path / "src" / assets.GGUF_FILE
+    gguf.parent.mkdir()
+    gguf.write_bytes(data)
+    monkeypatch.setattr(assets, "find_gguf", lambda: gguf)
+    monkeypatch.setattr(assets, "GGUF_SHA256", hashlib.sha256(data).hexdigest())
+    prompts = tmp_path / "src" / "prompts.jsonl"
+    prompts.write_text('{"id": "p0"}\n')
+    wheel = tmp_path / "src" / "gguf-0.0.0-py3-none-any.whl"
+    wheel.write_bytes(b"wheel")
+    return data, prompts, wheel
+
+
+def test_parts_arrive_over_several_calls_and_join_to_the_pinned_file(fake_gguf, tmp_path):
+    data, prompts, wheel = fake_gguf
+    pack_dir, store = tmp_path / "pack", tmp_path / "store"
+    manifest = cuda_recipe.pack(pack_dir, part_mib=1, prompts_from=prompts, wheel=wheel)
+    names = [p["name"] for p in manifest["parts"]]
+    assert len(names) == 3 and all(p["bytes"] <= 2**20 for p in manifest["parts"])
+    # First call carries part 0 only (a fresh checkout each call: the others are absent).
+    parts = {n: (pack_dir / n).read_bytes() for n in names}
+    for n in names[1:]:
+        (pack_dir / n).unlink()
+    assert cuda_recipe.collect(pack_dir, store) == names[1:]
+    # Second call: part 0 is gone from the checkout, parts 1 and 2 arrive.
+    (pack_dir / names[0]).unlink()
+    for n in names[1:]:
+        (pack_dir / n).write_bytes(parts[n])
+    assert cuda_recipe.collect(pack_dir, store) == []
+    joined = cuda_recipe.join(store)
+    assert joined.read_bytes() == data
+    assert json.loads((store / "pack.json").read_text())["sha256"] == assets.GGUF_SHA256
+    assert (store / "prompts.jsonl").read_text() == prompts.read_text()
+
+
+def test_a_corrupt_part_is_refused(fake_gguf, tmp_path):
+    _, prompts, wheel = fake_gguf
+    pack_dir = tmp_path / "pack"
+    manifest = cuda_recipe.pack(pack_dir, part_mib=1, prompts_from=prompts, wheel=wheel)
+    part = pack_dir / manifest["parts"][1]["name"]
+    part.write_bytes(part.read_bytes()[:-1] + b"\0")
+    with pytest.raises(ValueError, match="corrupt"):
+        cuda_recipe.collect(pack_dir, tmp_path / "store")
+
+
+def test_parts_of_another_file_do_not_join(fake_gguf, tmp_path, monkeypatch):
+    _, prompts, wheel = fake_gguf
+    pack_dir, store = tmp_path / "pack", tmp_path / "store"
+    cuda_recipe.pack(pack_dir, part_mib=1, prompts_from=prompts, wheel=wheel)
+    assert cuda_recipe.collect(pack_dir, store) == []
+    monkeypatch.setattr(assets, "GGUF_SHA256", "0" * 64)  # the pinned model is another one
+    with pytest.raises(ValueError, match="expected 0000"):
+        cuda_recipe.join(store)

@@ -1,0 +1,95 @@
+"""The transformers data backend (for a GPU machine without vLLM) writes the
+shards the vLLM backend writes: same answers, same states at every position."""
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_treespec.train.generate import generate_shards, shard_paths
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [
+    {"id": "a", "kind": "test", "messages": [{"role": "user", "content": "Name three primes."}]},
+    {"id": "b", "kind": "test",
+     "messages": [{"role": "user", "content": "Write a Python function that reverses a string."}]},
+    {"id": "c", "kind": "test", "messages": [{"role": "user", "content": "Say hello."}]},
+]
+AUX = (2, 15, 27)
+
+
+@pytest.fixture(scope="module")
+def target_dir():
+    from vllm_treespec.assets import ensure_target
+
+    return str(ensure_target())
+
+
+def _shards(answerer, directory, greedy_frac=1.0):
+    stats = generate_shards(answerer, PROMPTS, directory, aux_layers=AUX, seed=0, max_tokens=24,
+                            greedy_frac=greedy_frac, temperatures=[1.0], shard_size=8,
+                            log=lambda _: None)
+    from safetensors.numpy import load_file
+
+    from vllm_treespec.train.prompts import read_jsonl
+
+    st, meta = shard_paths(directory, 0)
+    return stats, load_file(str(st)), read_jsonl(meta)
+
+
+@pytest.fixture(scope="module")
+def vllm_shard(target_dir, tmp_path_factory):
+    from vllm_treespec.train.generate import VllmAnswerer, make_llm
+
+    llm = make_llm(target_dir, max_num_seqs=4, max_model_len=512, seed=0)
+    out = _shards(VllmAnswerer(llm, AUX), tmp_path_factory.mktemp("vllm"))
+    del llm
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(target_dir):
+    from vllm_treespec.train.generate_hf import TransformersAnswerer
+
+    return TransformersAnswerer(target_dir, AUX, max_model_len=512, batch=2, seed=0,
+                                device="cpu")
+
+
+def test_greedy_shards_equal_the_vllm_backend(vllm_shard, hf, tmp_path):
+    _, ref, ref_meta = vllm_shard
+    _, got, meta = _shards(hf, tmp_path)
+    for key in ("tokens", "tok_offsets", "hid_offsets", "prompt_lens"):
+        assert np.array_equal(got[key], ref[key]), key
+    assert [(m["new_tokens"], m["finish_reason"], m["response"]) for m in meta] == \
+        [(m["new_tokens"], m["finish_reason"], m["response"]) for m in ref_meta]
+    assert got["hidden"].dtype == np.float16 and got["hidden"].shape == ref["hidden"].shape
+    a, b = torch.from_numpy(got["hidden"]).float(), torch.from_numpy(ref["hidden"]).float()
+    for j, name in enumerate([*map(str, AUX), "final"]):
+        err = (a[:, j] - b[:, j]).abs().max() / b[:, j].abs().max()
+        assert err < 2e-3, f"state {name}: relative error {err:.2e}"
+
+
+def test_a_state_one_layer_off_is_caught(vllm_shard, hf):
+    """Negative control for the tolerance above: the residual stream entering the
+    next layer differs from the one vLLM hands the drafter by far more."""
+    _, ref, _ = vllm_shard
+    n = int(ref["hid_offsets"][1])
+    tokens = ref["tokens"][: n + 1].tolist()
+    with torch.no_grad():
+        hs = hf.model(torch.tensor(tokens[:-1])[None], output_hidden_states=True).hidden_states
+    b = torch.from_numpy(ref["hidden"][:n, 0]).float()
+    assert (hs[AUX[0]][0] - b).abs().max() / b.abs().max() < 2e-3
+    assert (hs[AUX[0] + 1][0] - b).abs().max() / b.abs().max() > 1e-1
+
+
+def test_sampled_answers_end_at_the_stop_token_or_their_budget(hf, tmp_path):
+    stats, got, meta = _shards(hf, tmp_path, greedy_frac=0.0)
+    assert stats["shards"] == 1 and all(m["temperature"] == 1.0 for m in meta)
+    offsets = got["tok_offsets"]
+    for i, m in enumerate(meta):
+        answer = got["tokens"][offsets[i] + m["prompt_len"]: offsets[i + 1]].tolist()
+        assert len(answer) == m["new_tokens"] <= 24
+        if m["finish_reason"] == "stop":
+            assert answer[-1] in hf.eos and not set(answer[:-1]) & hf.eos
+        else:
+            assert m["finish_reason"] == "length" and len(answer) == 24

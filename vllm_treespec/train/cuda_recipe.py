@@ -1,0 +1,189 @@
+"""The drafter's CUDA recipe: train the SmolLM2 EAGLE-3 head on a GPU machine that
+has torch, transformers and triton but no vLLM and no network, and that receives
+its inputs in pieces of at most 64 MiB (with the repository itself).
+
+Two halves (``scripts/train-drafter-cuda.sh`` calls them):
+
+``pack DIR`` (here, where vLLM runs) writes what the GPU machine lacks: the target's
+GGUF cut into parts of ``--part-mib`` (it is 94 MB; the repository travels with
+each part), each with its SHA-256; the first-turn prompts (the prompts stage
+writes its self-queries with vLLM); and the ``gguf`` wheel that transformers needs
+to read the GGUF. ``pack.json`` lists it all.
+
+``run DIR`` (on the GPU machine, once per delivery, then as often as needed)
+moves the parts found in DIR into a store outside the repository, checked
+part by part; once all are there it joins them, checks the whole file against
+the hash the assets pin, converts it to an fp32 Hugging Face directory, and runs
+``train-drafter`` with the transformers backend on CUDA for at most
+``--minutes``. Every stage resumes, so the same command continues where the
+last one stopped; when the head is exported it is copied to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from vllm_treespec import assets
+
+DEFAULT_STORE = Path.home() / ".cache" / "vllm-treespec" / "cuda-recipe"
+# ~3.3M self-distilled positions (9000 prompts and 10 % follow-ups, ~330 positions
+# each), four epochs; every invocation is bounded by --max-minutes.
+TRAIN_ARGS = ["--num-prompts", "9000", "--self-query-frac", "0.14", "--max-tokens", "320",
+              "--gen-batch", "128", "--shard-size", "256", "--epochs", "4",
+              "--tokens-per-batch", "16384", "--eval-seqs", "256", "--no-vocab-corpus"]
+
+
+def _sha256(path: Path) -> str:
+    return assets.sha256_file(path)
+
+
+def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
+         wheel: Path | None = None) -> dict:
+    """Write the parts, prompts and wheel into ``out``; returns ``pack.json``.
+    Without ``prompts_from`` the prompts stage runs (vLLM); without ``wheel`` the
+    installed ``gguf``'s version is downloaded from the package index."""
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = assets.find_gguf()
+    parts, size = [], int(part_mib * 2**20)
+    with open(gguf, "rb") as f:
+        while chunk := f.read(size):
+            part = out / f"{gguf.name}.part{len(parts)}"
+            part.write_bytes(chunk)
+            parts.append({"name": part.name, "bytes": len(chunk),
+                          "sha256": hashlib.sha256(chunk).hexdigest()})
+    if prompts_from is None:
+        work = Path(tempfile.mkdtemp(prefix="cuda-pack-"))
+        _train_drafter(["--target", str(assets.ensure_target()), "--out", str(work / "head"),
+                        "--work", str(work), "--stages", "prompts", *TRAIN_ARGS])
+        prompts_from = work / "prompts.jsonl"
+    shutil.copy(prompts_from, out / "prompts.jsonl")
+    if wheel is None:  # the version installed here, which reads this file
+        from importlib.metadata import version
+
+        wheel_dir = Path(tempfile.mkdtemp(prefix="gguf-wheel-"))
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d",
+                        str(wheel_dir), f"gguf=={version('gguf')}"], check=True)
+        wheel = next(wheel_dir.glob("gguf-*.whl"))
+    shutil.copy(wheel, out / wheel.name)
+    manifest = {"gguf": gguf.name, "sha256": assets.GGUF_SHA256, "parts": parts,
+                "prompts": "prompts.jsonl", "wheel": wheel.name}
+    (out / "pack.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def collect(pack_dir: Path, store: Path) -> list[str]:
+    """Move the parts present in ``pack_dir`` into ``store`` (each checked), copy
+    the prompts and wheel; return the names of the parts still missing."""
+    manifest = json.loads((pack_dir / "pack.json").read_text())
+    store.mkdir(parents=True, exist_ok=True)
+    shutil.copy(pack_dir / "pack.json", store / "pack.json")
+    for name in (manifest["prompts"], manifest["wheel"]):
+        if (pack_dir / name).exists():
+            shutil.copy(pack_dir / name, store / name)
+    missing = []
+    for part in manifest["parts"]:
+        src, dst = pack_dir / part["name"], store / part["name"]
+        if src.exists() and not (dst.exists() and _sha256(dst) == part["sha256"]):
+            if _sha256(src) != part["sha256"]:
+                raise ValueError(f"{src} is corrupt: SHA-256 {_sha256(src)}, "
+                                 f"expected {part['sha256']}")
+            shutil.copy(src, dst)
+        if not (dst.exists() and _sha256(dst) == part["sha256"]):
+            missing.append(part["name"])
+    return missing
+
+
+def join(store: Path) -> Path:
+    """The whole GGUF from its parts in ``store``, checked against the pinned hash."""
+    manifest = json.loads((store / "pack.json").read_text())
+    gguf = store / manifest["gguf"]
+    if not (gguf.exists() and _sha256(gguf) == assets.GGUF_SHA256):
+        with open(gguf.with_suffix(".tmp"), "wb") as f:
+            for part in manifest["parts"]:
+                f.write((store / part["name"]).read_bytes())
+        digest = _sha256(gguf.with_suffix(".tmp"))
+        if digest != assets.GGUF_SHA256:
+            raise ValueError(f"the joined {gguf.name} has SHA-256 {digest}, expected "
+                             f"{assets.GGUF_SHA256}")
+        gguf.with_suffix(".tmp").replace(gguf)
+    return gguf
+
+
+def target_from(store: Path, gguf: Path) -> Path:
+    target = store / assets.TARGET_NAME
+    if not (target / "config.json").exists():
+        try:
+            import gguf as _  # noqa: F401
+        except ImportError:
+            manifest = json.loads((store / "pack.json").read_text())
+            subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
+                            "-q", "--target", str(store / "pylib"),
+                            str(store / manifest["wheel"])], check=True)
+            sys.path.insert(0, str(store / "pylib"))
+        tmp = store / (assets.TARGET_NAME + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        assets.convert_gguf(gguf, tmp)
+        tmp.replace(target)
+    return target
+
+
+def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str) -> str:
+    """One bounded invocation on the GPU machine; returns what state it left."""
+    missing = collect(pack_dir, store)
+    if missing:
+        return f"waiting for parts {missing} (rerun with them in {pack_dir})"
+    target = target_from(store, join(store))
+    work = store / "work"
+    work.mkdir(exist_ok=True)
+    if not (work / "prompts.jsonl").exists():
+        shutil.copy(store / "prompts.jsonl", work / "prompts.jsonl")
+    head = store / "head"
+    _train_drafter(["--target", str(target), "--out", str(head), "--work", str(work),
+                    "--stages", "generate,followups,vocab,train,export", "--backend",
+                    "transformers", "--device", device, "--max-minutes", str(minutes),
+                    *TRAIN_ARGS])
+    if (head / "config.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(head, out)
+        return f"done: head exported to {out}"
+    return "progress: rerun the same command to continue"
+
+
+def _train_drafter(argv: list[str]) -> None:
+    from vllm_treespec.train.cli import main
+
+    if main(argv) != 0:
+        raise RuntimeError(f"train-drafter {' '.join(argv)} failed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vllm_treespec.train.cuda_recipe")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("pack", help="here: write the GGUF parts, prompts and wheel into DIR")
+    a.add_argument("dir", type=Path)
+    a.add_argument("--part-mib", type=float, default=32)
+    a.add_argument("--prompts", type=Path, default=None,
+                   help="an existing prompts.jsonl (default: run the prompts stage)")
+    r = sub.add_parser("run", help="on the GPU machine: collect parts, then train for a while")
+    r.add_argument("dir", type=Path)
+    r.add_argument("--store", type=Path, default=DEFAULT_STORE)
+    r.add_argument("--minutes", type=float, default=8.0)
+    r.add_argument("--out", type=Path, required=True, help="where the exported head goes")
+    r.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    if args.cmd == "pack":
+        print(json.dumps(pack(args.dir, args.part_mib, args.prompts), indent=2))
+    else:
+        print(f"[cuda-recipe] {run(args.dir, args.store, args.minutes, args.out, args.device)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
