@@ -66,3 +66,32 @@ def test_parts_of_another_file_do_not_join(fake_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(assets, "GGUF_SHA256", "0" * 64)  # the pinned model is another one
     with pytest.raises(ValueError, match="expected 0000"):
         cuda_recipe.join(store)
+
+
+def test_a_small_run_from_the_parts_exports_a_head(tmp_path):
+    """The GPU machine's side on this CPU, scaled down: the real GGUF in parts,
+    joined, converted, then every train-drafter stage with the transformers
+    backend (self-queries included), until a head is exported."""
+    import subprocess
+    import sys
+
+    from safetensors import safe_open
+
+    pack_dir, store, out = tmp_path / "pack", tmp_path / "store", tmp_path / "head"
+    wheel = tmp_path / "gguf-0.0.0-py3-none-any.whl"
+    wheel.write_bytes(b"unused: gguf is installed here")
+    manifest = cuda_recipe.pack(pack_dir, part_mib=32, wheel=wheel)
+    assert len(manifest["parts"]) == 3
+    small = ("--num-prompts 6 --self-query-frac 0.34 --max-tokens 24 --gen-batch 4 "
+             "--shard-size 3 --draft-vocab 512 --steps 3 --eval-every 3 --save-every 3 "
+             "--eval-seqs 1 --tokens-per-batch 300 --warmup 1 --threads-train 2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_treespec.train.cuda_recipe", "run", str(pack_dir),
+         "--store", str(store), "--out", str(out), "--device", "cpu", "--minutes", "10",
+         "--train-args", small], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "done: head exported" in proc.stdout
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("d2t").numel() == 512
+    summary = json.loads((out / "MANIFEST.json").read_text())
+    assert summary["data"]["sequences"] >= 6

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_treespec.train.generate import generate_shards, shard_paths
+from vllm_treespec.train.generate import generate_self_queries, generate_shards, shard_paths
 
 pytestmark = pytest.mark.vllm
 
@@ -42,9 +42,12 @@ def vllm_shard(target_dir, tmp_path_factory):
     from vllm_treespec.train.generate import VllmAnswerer, make_llm
 
     llm = make_llm(target_dir, max_num_seqs=4, max_model_len=512, seed=0)
-    out = _shards(VllmAnswerer(llm, AUX), tmp_path_factory.mktemp("vllm"))
-    del llm
-    return out
+    answerer = VllmAnswerer(llm, AUX)
+    out = _shards(answerer, tmp_path_factory.mktemp("vllm"))
+    queries = generate_self_queries(answerer, 8, seed=0)
+    kept_states = len(answerer.capture.chunks)
+    del llm, answerer
+    return out + (queries, kept_states)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def hf(target_dir):
 
 
 def test_greedy_shards_equal_the_vllm_backend(vllm_shard, hf, tmp_path):
-    _, ref, ref_meta = vllm_shard
+    _, ref, ref_meta, _, _ = vllm_shard
     _, got, meta = _shards(hf, tmp_path)
     for key in ("tokens", "tok_offsets", "hid_offsets", "prompt_lens"):
         assert np.array_equal(got[key], ref[key]), key
@@ -72,7 +75,7 @@ def test_greedy_shards_equal_the_vllm_backend(vllm_shard, hf, tmp_path):
 def test_a_state_one_layer_off_is_caught(vllm_shard, hf):
     """Negative control for the tolerance above: the residual stream entering the
     next layer differs from the one vLLM hands the drafter by far more."""
-    _, ref, _ = vllm_shard
+    _, ref, _, _, _ = vllm_shard
     n = int(ref["hid_offsets"][1])
     tokens = ref["tokens"][: n + 1].tolist()
     with torch.no_grad():
@@ -93,3 +96,14 @@ def test_sampled_answers_end_at_the_stop_token_or_their_budget(hf, tmp_path):
             assert answer[-1] in hf.eos and not set(answer[:-1]) & hf.eos
         else:
             assert m["finish_reason"] == "length" and len(answer) == 24
+
+
+def test_both_backends_write_self_queries(vllm_shard, hf):
+    """Stage 1's user turns written by the target (no states kept for them)."""
+    *_, vllm_queries, kept_states = vllm_shard
+    hf_queries = generate_self_queries(hf, 8, seed=0)
+    for queries in (vllm_queries, hf_queries):
+        assert queries and all(isinstance(q, str) and q.strip() for q in queries)
+    assert kept_states == 0
+    with pytest.raises(ValueError, match="one is supported"):
+        hf.sample(["x"], 1.0, 4, stop="two tokens")

@@ -168,19 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     temps = [float(x) for x in args.temperatures.split(",")]
     (work / "args.json").write_text(json.dumps(vars(args) | {"aux_layers": aux_layers}, indent=2) + "\n")
 
-    llm = answerer = None
-
-    def get_llm():
-        nonlocal llm
-        if args.backend != "vllm":
-            raise SystemExit("the prompts stage writes its self-queries with vLLM: run it where "
-                             "vLLM is installed, or pass --self-query-frac 0")
-        if llm is None:
-            from .generate import make_llm
-
-            llm = make_llm(target, max_num_seqs=args.gen_batch, max_model_len=args.max_model_len,
-                           seed=args.seed, threads=args.threads)
-        return llm
+    answerer = None
 
     def get_answerer():
         nonlocal answerer
@@ -191,9 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                                             batch=args.gen_batch, seed=args.seed,
                                             device=args.device)
         elif answerer is None:
-            from .generate import VllmAnswerer
+            from .generate import VllmAnswerer, make_llm
 
-            answerer = VllmAnswerer(get_llm(), aux_layers)
+            answerer = VllmAnswerer(make_llm(target, max_num_seqs=args.gen_batch,
+                                             max_model_len=args.max_model_len, seed=args.seed,
+                                             threads=args.threads), aux_layers)
         return answerer
 
     from . import prompts as P
@@ -207,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 from .generate import generate_self_queries
 
                 t0 = time.time()
-                queries = generate_self_queries(get_llm(), int(n_self * 1.6), args.seed)
+                queries = generate_self_queries(get_answerer(), int(n_self * 1.6), args.seed)
                 P.write_jsonl(self_path, [{"query": q} for q in queries])
                 progress.update(generate_seconds=time.time() - t0)
                 _log(f"self-queries: {len(queries)} in {time.time() - t0:.0f}s")
@@ -273,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             if stats["stopped"]:
                 return _stopped(progress)
 
-    del llm, answerer  # the generation engine's memory, before training
+    del answerer  # the generation engine's memory, before training
 
     if "vocab" in stages:
         from .vocab import build_vocab_from_shards

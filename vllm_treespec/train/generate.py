@@ -94,12 +94,15 @@ class HiddenStateCapture:
         inner.aux_hidden_state_layers = tuple(aux_layers)
         self.chunks: dict[str, list] = {}
         self.overflow = 0
+        self.active = True
         self._orig = self.runner._model_forward
         self.runner._model_forward = self._forward
 
     def _forward(self, input_ids=None, positions=None, **kw):
         out = self._orig(input_ids=input_ids, positions=positions, **kw)
         hidden, aux = out
+        if not self.active:
+            return hidden
         runner = self.runner
         n = len(runner.input_batch.req_ids)
         qsl = runner.query_start_loc.np[: n + 1].copy()
@@ -161,6 +164,20 @@ class VllmAnswerer:
     @property
     def overflow(self) -> int:
         return self.capture.overflow
+
+    def sample(self, texts: list[str], temperature: float, max_tokens: int,
+               stop: str | None = None) -> list[tuple[str, str]]:
+        """(text, finish reason) per prompt, no states kept."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                stop=[stop] if stop else None)
+        self.capture.active = False
+        try:
+            outputs = self.llm.generate(texts, params, use_tqdm=True)
+        finally:
+            self.capture.active = True
+        return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs]
 
     def answer(self, texts: list[str], settings: list[tuple[float, int]]) -> list[Answer]:
         """``settings``: (temperature, max new tokens) per text."""
@@ -304,22 +321,19 @@ def generate_shards(
     return stats
 
 
-def generate_self_queries(llm, n: int, seed: int, temperature: float = 0.9, max_tokens: int = 128) -> list[str]:
-    """User turns written by the target from the bare user-turn prefix."""
-    from vllm import SamplingParams
-
+def generate_self_queries(answerer, n: int, seed: int, temperature: float = 0.9,
+                          max_tokens: int = 128) -> list[str]:
+    """User turns written by the target from the bare user-turn prefix (``seed``
+    is the answerer's: it was seeded when it was made)."""
     from .prompts import clean_self_query, self_query_prefix
 
-    tokenizer = llm.get_tokenizer()
-    prefix = self_query_prefix(tokenizer)
+    prefix = self_query_prefix(answerer.tokenizer)
     end = "<|im_end|>" if "<|im_end|>" in prefix or "<|im_start|>" in prefix else None
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, stop=[end] if end else None)
-    outputs = llm.generate([prefix] * n, params, use_tqdm=True)
     out = []
-    for o in outputs:
-        if o.outputs[0].finish_reason != "stop":
+    for text, finish in answerer.sample([prefix] * n, temperature, max_tokens, stop=end):
+        if finish != "stop":
             continue  # unfinished queries are cut mid-sentence
-        q = clean_self_query(o.outputs[0].text)
+        q = clean_self_query(text)
         if q:
             out.append(q)
     return list(dict.fromkeys(out))

@@ -71,9 +71,28 @@ class TransformersAnswerer:
                               finish, fed, states[i]))
         return out
 
+    def sample(self, texts: list[str], temperature: float, max_tokens: int,
+               stop: str | None = None) -> list[tuple[str, str]]:
+        """(text, finish reason) per prompt, no states; ``stop`` must be one token."""
+        stops = set(self.eos)
+        if stop is not None:
+            ids = self.tokenizer(stop, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ValueError(f"stop {stop!r} is {len(ids)} tokens; one is supported")
+            stops.add(ids[0])
+        prompts = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        out = []
+        for k in range(0, len(prompts), self.batch):
+            for gen, finish in self._generate(prompts[k: k + self.batch], temperature,
+                                              [max_tokens] * len(prompts[k: k + self.batch]),
+                                              stops):
+                out.append((self.tokenizer.decode(gen, skip_special_tokens=True), finish))
+        return out
+
     @torch.no_grad()
     def _generate(self, prompts: list[list[int]], temperature: float,
-                  max_tokens: list[int]) -> list[tuple[list[int], str]]:
+                  max_tokens: list[int], stops: set[int] | None = None
+                  ) -> list[tuple[list[int], str]]:
         width = max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -84,12 +103,12 @@ class TransformersAnswerer:
             if temperature > 0 else {"do_sample": False}
         seqs = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            max_new_tokens=max(max_tokens), eos_token_id=sorted(self.eos),
+            max_new_tokens=max(max_tokens), eos_token_id=sorted(stops or self.eos),
             pad_token_id=self.pad, **sampling)
         out = []
         for row, limit in zip(seqs[:, width:].tolist(), max_tokens):
             row = row[:limit]
-            stop = next((j for j, t in enumerate(row) if t in self.eos), None)
+            stop = next((j for j, t in enumerate(row) if t in (stops or self.eos)), None)
             out.append((row[: stop + 1], "stop") if stop is not None else (row, "length"))
         return out
 
