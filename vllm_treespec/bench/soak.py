@@ -18,7 +18,8 @@ preempted, ``validate_invariants`` on. Each server then gets, in order:
 
 It fails (exit 1) on any violation: a valid request that does not complete, an
 invalid one without a 4xx and a message, any 5xx, a dead server, a quiet answer
-that differs from plain vLLM's, an invariant dump in a server log, resident
+that differs from plain vLLM's, an invariant dump in a server log (with
+``--invalid-trees N``, injected faults: then a tree server *without* dumps), resident
 memory more than 10 % above the baseline, a server whose requests were never
 preempted (the KV cache too large to test preemption), or a greedy mismatch rate
 under load significantly above plain-vs-plain (one-sided Fisher exact test, p < 0.01).
@@ -68,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-no-preemption", action="store_true",
                    help="do not count a server whose requests were never preempted as a "
                         "violation (the KV cache was too large to exercise preemption)")
+    p.add_argument("--invalid-trees", type=int, default=0, metavar="N",
+                   help="fault injection: every N-th validated drafting step of the tree "
+                        "servers gets an invalid tree; each must then be dumped and served "
+                        "without drafts (dumps are expected, none is a violation)")
     return p
 
 
@@ -133,6 +138,10 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
     # The KV cache is the blocks override; the space setting only keeps vLLM's CPU
     # backend from reserving most of the machine's memory.
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    if tree is not None and args.invalid_trees:
+        from vllm_treespec.vllm_glue.proposer import INVALID_TREE_ENV
+
+        env[INVALID_TREE_ENV] = str(args.invalid_trees)
     with Server(model, serve_args, spec, log, served_name="soak", env=env) as server:
         url = server.base_url
         spec_on = tree is not None
@@ -161,7 +170,8 @@ def greedy_mismatches(mix: list[SoakRequest], a, b) -> tuple[int, int]:
 
 
 def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
-          allow_no_preemption: bool = False) -> tuple[dict, list[str]]:
+          allow_no_preemption: bool = False, invalid_trees: bool = False
+          ) -> tuple[dict, list[str]]:
     from scipy.stats import fisher_exact
 
     plain = runs["plain"]
@@ -177,8 +187,10 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
                                   f"{len(quiet) - same} of {len(quiet)} differ from plain vLLM")
         if not run.healthy_end:
             violations.append(f"{name}: /health failed after the load")
-        if run.dumps:
+        if run.dumps and not invalid_trees:
             violations.append(f"{name}: {run.dumps} tree invariant dump(s) in the log")
+        if invalid_trees and name != "plain" and not run.dumps:
+            violations.append(f"{name}: invalid trees were injected, none was dumped")
         preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
         if not preemptions and not allow_no_preemption:
             violations.append(f"{name}: no request was preempted, so the soak did not "
@@ -263,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[soak] {name}: serving and loading", flush=True)
         runs[name] = soak_server(name, tree, args, str(assets.target), quiet, warm, mix, out,
                                  str(assets.drafter))
-    summary, violations = check(runs, mix, args.allow_no_preemption)
+    summary, violations = check(runs, mix, args.allow_no_preemption, bool(args.invalid_trees))
     result = {"args": vars(args), "servers": summary, "violations": violations}
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(summary, violations, args)

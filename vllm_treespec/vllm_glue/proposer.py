@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import torch
@@ -42,6 +43,18 @@ from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 logger = logging.getLogger("vllm.treespec")
+INVALID_TREE_ENV = "VLLM_TREESPEC_TEST_INVALID_TREE_EVERY"
+
+
+def with_an_invalid_token(trees: TreeBatch) -> TreeBatch:
+    """``trees`` with the first draft node of the first drafting request given
+    token -1, which validation must catch (for fault-injection tests)."""
+    drafting = (trees.num_nodes > 0).nonzero()
+    if drafting.numel() == 0:
+        return trees
+    token = trees.token.clone()
+    token[int(drafting[0]), 1] = -1
+    return dataclasses.replace(trees, token=token)
 
 
 @dataclasses.dataclass
@@ -71,6 +84,10 @@ class TreeEagleProposer(EagleProposer):
         self.deferred = DeferredDrafts(self.max_num_tokens, self.hidden_size,
                                        lambda h: self.model.combine_hidden_states(h))
         self.defer_when_off = True  # False: run the first pass every step (reference)
+        # Test-only fault (the soak's --invalid-trees): every N-th validated step
+        # hands validation a tree with an impossible token.
+        self._invalid_every = int(os.environ.get(INVALID_TREE_ENV) or 0)
+        self._checks = 0
         self.catch_up_tokens = 0
         self.faults = 0  # drafting steps that raised (see propose)
         self._last_fault_log = 0.0
@@ -282,6 +299,10 @@ class TreeEagleProposer(EagleProposer):
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
         from vllm_treespec.observability import trace_dir_from, validated
+
+        self._checks += 1
+        if self._invalid_every and self._checks % self._invalid_every == 0:
+            trees = with_an_invalid_token(trees)
 
         req_ids = self.runner.input_batch.req_ids
         keep = trees.num_nodes.clone()
