@@ -40,8 +40,8 @@ TRAIN_ARGS = ["--num-prompts", "9000", "--self-query-frac", "0.14", "--max-token
               "--tokens-per-batch", "16384", "--eval-seqs", "256", "--no-vocab-corpus"]
 
 
-def _sha256(path: Path) -> str:
-    return assets.sha256_file(path)
+def _holds(path: Path, sha256: str) -> bool:
+    return path.exists() and assets.sha256_file(path) == sha256
 
 
 def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
@@ -87,13 +87,15 @@ def collect(pack_dir: Path, store: Path) -> list[str]:
     missing = []
     for part in manifest["parts"]:
         src, dst = pack_dir / part["name"], store / part["name"]
-        if src.exists() and not (dst.exists() and _sha256(dst) == part["sha256"]):
-            if _sha256(src) != part["sha256"]:
-                raise ValueError(f"{src} is corrupt: SHA-256 {_sha256(src)}, "
-                                 f"expected {part['sha256']}")
-            shutil.copy(src, dst)
-        if not (dst.exists() and _sha256(dst) == part["sha256"]):
+        if _holds(dst, part["sha256"]):
+            continue
+        if not src.exists():
             missing.append(part["name"])
+            continue
+        digest = assets.sha256_file(src)
+        if digest != part["sha256"]:
+            raise ValueError(f"{src} is corrupt: SHA-256 {digest}, expected {part['sha256']}")
+        shutil.copy(src, dst)
     return missing
 
 
@@ -101,11 +103,11 @@ def join(store: Path) -> Path:
     """The whole GGUF from its parts in ``store``, checked against the pinned hash."""
     manifest = json.loads((store / "pack.json").read_text())
     gguf = store / manifest["gguf"]
-    if not (gguf.exists() and _sha256(gguf) == assets.GGUF_SHA256):
+    if not _holds(gguf, assets.GGUF_SHA256):
         with open(gguf.with_suffix(".tmp"), "wb") as f:
             for part in manifest["parts"]:
                 f.write((store / part["name"]).read_bytes())
-        digest = _sha256(gguf.with_suffix(".tmp"))
+        digest = assets.sha256_file(gguf.with_suffix(".tmp"))
         if digest != assets.GGUF_SHA256:
             raise ValueError(f"the joined {gguf.name} has SHA-256 {digest}, expected "
                              f"{assets.GGUF_SHA256}")
