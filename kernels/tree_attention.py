@@ -19,24 +19,26 @@ The kernel reads K/V straight from the paged cache through ``block_table``
 (any ``[blocks, block_size, KVH, D]`` view, strides given: vLLM's layout,
 vllm-ascend's per-layer ``(K, V)`` pair with block size 128, or the CPU
 layout's permuted views) with an online softmax in float32, so the tree costs
-what a causal pass over the same keys costs plus one bit test per key. One
-program computes one query row for one KV head and all the query heads that
-share it (GQA), so K/V are read once per group.
+what a causal pass over the same keys costs plus one bit test per key of the
+query block (the committed prefix needs none). One program computes a tile of
+``BLOCK_M`` consecutive rows of one request for one KV head and all the query
+heads that share it (GQA): the tile's rows x heads are the M axis of two matrix
+products per key tile (scores, then values), so K/V are read once per tile and
+the products run on the tensor / cube units.
 
 Portability (the same source is meant for triton-ascend, which compiles Triton
-for Ascend NPUs): only masked ``tl.load``/``tl.store``, ``tl.exp``/``tl.log``,
-``tl.max``/``tl.sum``/``tl.where``, integer shifts and a ``range`` loop with a
-runtime bound. Avoided: ``tl.dot`` (the tiles here are a handful of heads by a
-key tile, below the MMA minimum of 16 rows, and small-shape dot support differs
-between backends), atomics, block pointers / TMA descriptors, inline assembly,
-libdevice calls. The only 64-bit integers are the cache offsets (a cache can
-exceed 2^31 elements). On
-Ascend, the grid's second axis (KV heads) is small; triton-ascend maps the
-programs onto its AI cores.
+for Ascend NPUs): only masked ``tl.load``/``tl.store``, ``tl.dot`` on tiles of at
+least 16 x 16, ``tl.exp``/``tl.log``, ``tl.max``/``tl.sum``/``tl.where``, integer
+shifts and ``range`` loops with runtime bounds. Avoided: atomics, block
+pointers / TMA descriptors, inline assembly, libdevice calls. The only 64-bit
+integers are the cache offsets (a cache can exceed 2^31 elements). On Ascend,
+the grid's second axis (KV heads) is small; triton-ascend maps the programs
+onto its AI cores.
 
 Verified where: on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)
-against the reference (``tests/unit/test_kernel_tree_attention.py``). Not yet
-run on a CUDA GPU or an Ascend NPU.
+against the reference (``tests/unit/test_kernel_tree_attention.py``), and on an
+H200 by the same tests and ``benchmarks/tree_attention_kernel.py`` (README,
+"Our kernel"). Not yet run on an Ascend NPU.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class TreeRowMetadata:
     node:  [N] int32  index of the row inside its request's query block
     tree:  [N] int32  1 = the row follows ``bits``, 0 = causal
     bits:  [N, W] int32  ancestor-or-self bitmask over the query block (tree rows)
+    end:   [N] int64  one past the last row of the row's request
     """
 
     req: torch.Tensor
@@ -72,10 +75,21 @@ class TreeRowMetadata:
     node: torch.Tensor
     tree: torch.Tensor
     bits: torch.Tensor
+    end: torch.Tensor
+    _tiles: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_words(self) -> int:
         return self.bits.shape[1]
+
+    def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first row, rows) of each kernel tile: ``block_m`` consecutive rows of
+        one request. Built once per step (the first layer's call) and cached."""
+        if block_m not in self._tiles:
+            row0 = torch.nonzero(self.node % block_m == 0).flatten()
+            rows = torch.clamp(self.end[row0] - row0, max=block_m)
+            self._tiles[block_m] = (row0.to(torch.int32), rows.to(torch.int32))
+        return self._tiles[block_m]
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
@@ -123,76 +137,113 @@ def tree_row_metadata(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
         if bool(((q_lens > T) & flags).any()):
             raise ValueError(f"a tree request has more query rows than its {T}-wide mask")
     return TreeRowMetadata(req=req.to(torch.int32), ctx=ctx.to(torch.int32),
-                           node=node.to(torch.int32), tree=tree, bits=bits.contiguous())
+                           node=node.to(torch.int32), tree=tree, bits=bits.contiguous(),
+                           end=qsl[1:][req])
 
 
 if triton is not None:
 
     @triton.jit
+    def _attend(q, acc, m_i, l_i, K, V, block_table, b, kvh, pos, in_range, visible, scale,
+                block_size, stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_bt,
+                d, d_ok, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """One key tile of the online softmax: ``visible`` [M, N] masks the scores."""
+        # int64: a whole cache can exceed 2^31 elements (block id x block stride).
+        page = tl.load(block_table + b * stride_bt + pos // block_size,
+                       mask=in_range, other=0).to(tl.int64)
+        slot = pos % block_size
+        kv_mask = in_range[:, None] & d_ok[None, :]
+        k = tl.load(K + page[:, None] * stride_kb + slot[:, None] * stride_ks
+                    + kvh * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale       # [M, N]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing visible yet keeps m at -inf: shift by 0 instead.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        v = tl.load(V + page[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + kvh * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return acc, m_new, l_i
+
+    @triton.jit
     def _tree_attention_kernel(
-            Q, K, V, O, LSE, block_table, row_req, row_ctx, row_node, row_tree, row_bits,
-            scale, block_size, num_words,
+            Q, K, V, O, LSE, block_table, tile_row0, tile_rows, row_req, row_ctx, row_node,
+            row_tree, row_bits, scale, block_size, num_words,
             stride_qt, stride_qh, stride_qd,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
             stride_ot, stride_oh, stride_od, stride_bt,
-            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LSE: tl.constexpr):
-        row = tl.program_id(0)
+            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+            HAS_LSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        tile = tl.program_id(0)
         kvh = tl.program_id(1)
-        b = tl.load(row_req + row)
-        ctx = tl.load(row_ctx + row)
-        j = tl.load(row_node + row)
-        is_tree = tl.load(row_tree + row)
-        g = tl.arange(0, BLOCK_G)
+        row0 = tl.load(tile_row0 + tile)
+        nrows = tl.load(tile_rows + tile)
+        b = tl.load(row_req + row0)          # a tile never crosses requests
+        ctx = tl.load(row_ctx + row0)
+        # The tile's BLOCK_M query rows x BLOCK_G heads sharing one KV head, flattened
+        # into the M axis of the matrix products (m = r * BLOCK_G + g).
+        m = tl.arange(0, BLOCK_M * BLOCK_G)
+        r = m // BLOCK_G
+        g = m % BLOCK_G
+        row = row0 + r
+        row_ok = (r < nrows) & (g < GROUP)
         d = tl.arange(0, BLOCK_D)
-        g_ok = g < GROUP
         d_ok = d < HEAD_DIM
         heads = kvh * GROUP + g
-        q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32) * scale
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        node = tl.load(row_node + row, mask=row_ok, other=0)
+        causal = tl.load(row_tree + row, mask=row_ok, other=0) == 0
+        q = tl.load(Q + row[:, None] * stride_qt + heads[:, None] * stride_qh
+                    + d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         n = tl.arange(0, BLOCK_N)
-        kv_len = ctx + j + 1
-        causal = (n * 0 + is_tree) == 0  # a block, not a scalar: masks stay int1
-        for start in range(0, kv_len, BLOCK_N):
+        # The committed prefix [0, ctx): every row sees every key, no bit tests.
+        for start in range(0, ctx, BLOCK_N):
             pos = start + n
-            in_range = pos < kv_len
-            rel = tl.maximum(pos - ctx, 0)           # slot inside the query block
+            in_range = pos < ctx
+            acc, m_i, l_i = _attend(
+                q, acc, m_i, l_i, K, V, block_table, b, kvh, pos, in_range,
+                row_ok[:, None] & in_range[None, :], scale, block_size,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, d, d_ok, PRECISION, UPCAST)
+        # The query block [ctx, ctx + last + 1): slot j' is visible to row j iff
+        # j' <= j and (the row is causal or bit j' of its ancestor mask is set).
+        # Rows are in topological order, so the tile's last row bounds them all.
+        last = tl.load(row_node + row0 + nrows - 1)
+        for start in range(0, last + 1, BLOCK_N):
+            rel = start + n
+            in_range = rel <= last
             # Non-tree rows hold zero words (and prefill rows may run past them).
-            word = tl.load(row_bits + row * num_words + rel // 32,
-                           mask=in_range & (pos >= ctx) & (rel < num_words * 32), other=0)
-            bit = (word >> (rel % 32)) & 1
-            visible = in_range & ((pos < ctx) | causal | (bit != 0))
-            # int64: a whole cache can exceed 2^31 elements (block id x block stride).
-            page = tl.load(block_table + b * stride_bt + pos // block_size,
-                           mask=in_range, other=0).to(tl.int64)
-            slot = pos % block_size
-            kv_mask = visible[:, None] & d_ok[None, :]
-            k = tl.load(K + page[:, None] * stride_kb + slot[:, None] * stride_ks
-                        + kvh * stride_kh + d[None, :] * stride_kd,
-                        mask=kv_mask, other=0.0).to(tl.float32)            # [N, D]
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)             # [G, N]
-            s = tl.where(visible[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A tile with nothing visible yet keeps m at -inf: shift by 0 instead.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            v = tl.load(V + page[:, None] * stride_vb + slot[:, None] * stride_vs
-                        + kvh * stride_vh + d[None, :] * stride_vd,
-                        mask=kv_mask, other=0.0).to(tl.float32)            # [N, D]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(O + row * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
-                 out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+            word = tl.load(row_bits + row[:, None] * num_words + rel[None, :] // 32,
+                           mask=row_ok[:, None] & in_range[None, :]
+                           & (rel[None, :] < num_words * 32), other=0)
+            bit = (word >> (rel[None, :] % 32)) & 1
+            visible = (row_ok[:, None] & (rel[None, :] <= node[:, None])
+                       & (causal[:, None] | (bit != 0)))
+            acc, m_i, l_i = _attend(
+                q, acc, m_i, l_i, K, V, block_table, b, kvh, ctx + rel, in_range, visible,
+                scale, block_size, stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, d, d_ok, PRECISION, UPCAST)
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + row[:, None] * stride_ot + heads[:, None] * stride_oh
+                 + d[None, :] * stride_od, out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
         if HAS_LSE:
             tl.store(LSE + row * GROUP * tl.num_programs(1) + heads, m_i + tl.log(l_i),
-                     mask=g_ok)
+                     mask=row_ok)
 
 
 def interpreter_enabled() -> bool:
@@ -212,14 +263,21 @@ def _check_launchable(query: torch.Tensor) -> None:
                            "(tests only: the interpreter is far too slow to serve)")
 
 
-def launch_config(device_type: str, head_size: int, group: int) -> dict:
-    """Tile sizes per backend, untuned until measured on a device. Key tile: 32
-    positions on GPUs (the [group, keys, head] product lives in registers: 4 x 32
-    x 128 floats for a 4:1 GQA layer); 128 on Ascend (its KV block size, one page
-    per tile); 16 under the interpreter (small shapes, fast tests)."""
-    block_n = {"cuda": 32, "npu": 128}.get(device_type, 16)
-    return {"BLOCK_N": block_n, "BLOCK_G": triton.next_power_of_2(group),
-            "BLOCK_D": triton.next_power_of_2(head_size)}
+def launch_config(device_type: str, head_size: int, group: int, dtype: torch.dtype) -> dict:
+    """Tile sizes per backend. A tile is BLOCK_M query rows times the GQA group
+    (padded to a power of two): 64 rows of the matrix products on GPUs and NPUs,
+    16 (the products' minimum) under the interpreter; key tiles of 64 positions on
+    GPUs, 128 on Ascend (its KV block size, one page per tile), 16 under the
+    interpreter (small shapes, fast tests). fp32 inputs multiply in full precision
+    (no TF32: the fp32 path is the one checked against the reference). The
+    interpreter multiplies in fp32 (its bf16 products are wrong: garbage)."""
+    block_g = triton.next_power_of_2(group)
+    rows = {"cuda": 64, "npu": 64}.get(device_type, 16)
+    return {"BLOCK_N": {"cuda": 64, "npu": 128}.get(device_type, 16), "BLOCK_G": block_g,
+            "BLOCK_M": max(1, rows // block_g),
+            "BLOCK_D": max(16, triton.next_power_of_2(head_size)),
+            "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+            "UPCAST": device_type == "cpu"}
 
 
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -248,10 +306,12 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     lse = torch.empty(N, H, dtype=torch.float32, device=query.device) if return_lse else out
     if N:
         bt = block_table.to(torch.int32).contiguous()
-        cfg = launch_config(query.device.type, D, group)
-        _tree_attention_kernel[(N, KVH)](
-            query, key_cache, value_cache, out, lse, bt, rows.req, rows.ctx, rows.node,
-            rows.tree, rows.bits, float(scale), block_size, rows.num_words,
+        cfg = launch_config(query.device.type, D, group, query.dtype)
+        tile_row0, tile_rows = rows.tiles(cfg["BLOCK_M"])
+        _tree_attention_kernel[(tile_row0.shape[0], KVH)](
+            query, key_cache, value_cache, out, lse, bt, tile_row0, tile_rows, rows.req,
+            rows.ctx, rows.node, rows.tree, rows.bits, float(scale), block_size,
+            rows.num_words,
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
             bt.stride(0), GROUP=group, HEAD_DIM=D, HAS_LSE=return_lse, **cfg)
     return (out, lse) if return_lse else out
