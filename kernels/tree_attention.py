@@ -176,7 +176,7 @@ if triton is not None:
     @triton.jit
     def _tree_attention_kernel(
             Q, K, V, O, LSE, block_table, tile_row0, tile_rows, row_req, row_ctx, row_node,
-            row_tree, row_bits, scale, block_size, num_words,
+            row_tree, row_bits, scale, block_size, num_words, num_rows,
             stride_qt, stride_qh, stride_qd,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd,
@@ -186,6 +186,8 @@ if triton is not None:
             HAS_LSE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        splits = tl.num_programs(2)
         row0 = tl.load(tile_row0 + tile)
         nrows = tl.load(tile_rows + tile)
         b = tl.load(row_req + row0)          # a tile never crosses requests
@@ -211,9 +213,14 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
         n = tl.arange(0, BLOCK_N)
         # The committed prefix [0, ctx): every row sees every key, no bit tests.
-        for start in range(0, ctx, BLOCK_N):
+        # With several splits, each takes a slice of it (whole key tiles) and the
+        # partial results are merged by their log-sum-exp (tree_attention).
+        per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), splits) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(ctx, lo + per_split)
+        for start in range(lo, hi, BLOCK_N):
             pos = start + n
-            in_range = pos < ctx
+            in_range = pos < hi
             acc, m_i, l_i = _attend(
                 q, acc, m_i, l_i, K, V, block_table, b, kvh, pos, in_range,
                 row_ok[:, None] & in_range[None, :], scale, block_size,
@@ -222,8 +229,10 @@ if triton is not None:
         # The query block [ctx, ctx + last + 1): slot j' is visible to row j iff
         # j' <= j and (the row is causal or bit j' of its ancestor mask is set).
         # Rows are in topological order, so the tile's last row bounds them all.
+        # The last split takes it.
         last = tl.load(row_node + row0 + nrows - 1)
-        for start in range(0, last + 1, BLOCK_N):
+        block_end = tl.where(split == splits - 1, last + 1, 0)
+        for start in range(0, block_end, BLOCK_N):
             rel = start + n
             in_range = rel <= last
             # Non-tree rows hold zero words (and prefill rows may run past them).
@@ -238,12 +247,15 @@ if triton is not None:
                 scale, block_size, stride_kb, stride_ks, stride_kh, stride_kd,
                 stride_vb, stride_vs, stride_vh, stride_vd, stride_bt, d, d_ok, PRECISION, UPCAST)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        row = row + split * num_rows          # split s writes rows [s * N, (s + 1) * N)
         tl.store(O + row[:, None] * stride_ot + heads[:, None] * stride_oh
                  + d[None, :] * stride_od, out.to(O.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
         if HAS_LSE:
-            tl.store(LSE + row * GROUP * tl.num_programs(1) + heads, m_i + tl.log(l_i),
-                     mask=row_ok)
+            # A split that saw no key has l = 0: its log-sum-exp is -inf (weight 0).
+            lse = m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i))
+            tl.store(LSE + row * GROUP * tl.num_programs(1) + heads,
+                     tl.where(l_i == 0.0, float("-inf"), lse), mask=row_ok)
 
 
 def interpreter_enabled() -> bool:
@@ -283,14 +295,17 @@ def launch_config(device_type: str, head_size: int, group: int, dtype: torch.dty
 def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                    block_table: torch.Tensor, block_size: int, rows: TreeRowMetadata,
                    scale: float, out: torch.Tensor | None = None,
-                   return_lse: bool = False):
+                   return_lse: bool = False, num_splits: int | None = None,
+                   max_seq_len: int | None = None):
     """Attention of packed ``query`` [N, H, D] over a paged cache.
 
     key_cache / value_cache: [blocks, block_size, KVH, D] views (any strides)
     already holding this step's K/V; block_table [B, max_blocks] int32; rows from
     :func:`tree_row_metadata`. Returns ``out`` [N, H, D] in the query's dtype,
     and with ``return_lse`` also the log-sum-exp of the scaled scores [N, H]
-    (float32), for merging with another pass.
+    (float32), for merging with another pass. ``num_splits``: programs sharing
+    each tile's committed prefix (default: :func:`prefix_splits`, which splits
+    only when given ``max_seq_len``, the longest KV length in the batch).
     """
     _check_launchable(query)
     N, H, D = query.shape
@@ -303,15 +318,54 @@ def tree_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: to
     group = H // KVH
     if out is None:
         out = torch.empty_like(query)
-    lse = torch.empty(N, H, dtype=torch.float32, device=query.device) if return_lse else out
-    if N:
-        bt = block_table.to(torch.int32).contiguous()
-        cfg = launch_config(query.device.type, D, group, query.dtype)
-        tile_row0, tile_rows = rows.tiles(cfg["BLOCK_M"])
-        _tree_attention_kernel[(tile_row0.shape[0], KVH)](
-            query, key_cache, value_cache, out, lse, bt, tile_row0, tile_rows, rows.req,
-            rows.ctx, rows.node, rows.tree, rows.bits, float(scale), block_size,
-            rows.num_words,
-            *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
-            bt.stride(0), GROUP=group, HEAD_DIM=D, HAS_LSE=return_lse, **cfg)
+    if not N:
+        lse = torch.empty(0, H, dtype=torch.float32, device=query.device)
+        return (out, lse) if return_lse else out
+    bt = block_table.to(torch.int32).contiguous()
+    cfg = launch_config(query.device.type, D, group, query.dtype)
+    tile_row0, tile_rows = rows.tiles(cfg["BLOCK_M"])
+    splits = num_splits or prefix_splits(query.device, tile_row0.shape[0] * KVH, max_seq_len)
+    if splits == 1:
+        o_rows = out
+        lse = torch.empty(N, H, dtype=torch.float32, device=query.device) if return_lse else out
+    else:  # partial results per split, merged below
+        o_rows = torch.empty(splits * N, H, D, dtype=torch.float32, device=query.device)
+        lse = torch.empty(splits * N, H, dtype=torch.float32, device=query.device)
+    _tree_attention_kernel[(tile_row0.shape[0], KVH, splits)](
+        query, key_cache, value_cache, o_rows, lse, bt, tile_row0, tile_rows, rows.req,
+        rows.ctx, rows.node, rows.tree, rows.bits, float(scale), block_size,
+        rows.num_words, N,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *o_rows.stride(),
+        bt.stride(0), GROUP=group, HEAD_DIM=D, HAS_LSE=return_lse or splits > 1, **cfg)
+    if splits > 1:
+        part_lse = lse.view(splits, N, H)
+        lse = torch.logsumexp(part_lse, dim=0)
+        weights = torch.exp(part_lse - lse).unsqueeze(-1)      # a split with no keys: 0
+        out.copy_((weights * o_rows.view(splits, N, H, D)).sum(dim=0))
     return (out, lse) if return_lse else out
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def prefix_splits(device: torch.device, programs: int, max_seq_len: int | None,
+                  max_splits: int = 16, keys_per_split: int = 512) -> int:
+    """How many programs share each tile's committed prefix (flash-decoding).
+
+    A GPU with fewer programs than multiprocessors idles (batch 1: one tile per
+    KV head), so a long prefix is split until there are about twice as many, each
+    split keeping at least ``keys_per_split`` keys. The merge costs five more
+    launches: it pays inside a CUDA graph (an H200, batch 1, 8 tree rows over 4096
+    keys: 0.171 -> 0.054 ms in graph replay) but not eagerly, where the launches
+    cost more than the work (0.24 -> 0.29 ms), so without ``max_seq_len`` (the
+    longest sequence, which callers capturing graphs know on the host) and off
+    CUDA it is 1."""
+    if device.type != "cuda" or max_seq_len is None:
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    sms = _SM_COUNT[index]
+    if programs >= sms:
+        return 1
+    return max(1, min(max_splits, -(-2 * sms // programs), -(-max_seq_len // keys_per_split)))

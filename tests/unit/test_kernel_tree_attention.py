@@ -52,6 +52,23 @@ def test_kernel_matches_reference_on_mixed_batches(seed, pad_trees):
     assert (got[rows] - ref[rows]).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_kernel_split_prefix_merges_to_the_reference(seed, splits):
+    """Flash-decoding: the committed prefix shared by several programs (some with
+    no keys at all: prefixes shorter than the splits' key tiles), merged by
+    log-sum-exp, gives the one-program result; the log-sum-exp too."""
+    s = Scenario(seed, pad_trees=bool(seed % 2))
+    ref = s.run()
+    rows = rows_of(s)
+    got, lse = run_kernel(s.q, s.k_cache, s.v_cache, s.meta(), s.scale, num_splits=splits,
+                          return_lse=True)
+    assert (got.cpu()[rows] - ref[rows]).abs().max().item() <= 1e-5
+    _, lse_one = run_kernel(s.q, s.k_cache, s.v_cache, s.meta(), s.scale, num_splits=1,
+                            return_lse=True)
+    assert (lse.cpu()[rows] - lse_one.cpu()[rows]).abs().max().item() <= 1e-5
+
+
 def _tree_case(tokens, parents, ctx, bs=4, KVH=2, group=2, Dh=16, seed=0,
                dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
@@ -218,3 +235,18 @@ def test_kernel_package_imports_without_triton():
             "import vllm_treespec, vllm_treespec.kernels.tree_attention as k\n"
             "assert k.triton is None and not k.interpreter_enabled()\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_prefix_splits_only_where_a_gpu_would_idle_and_the_prefix_is_long(monkeypatch):
+    """The split rule on an H200-sized GPU (132 multiprocessors): batch 1 over a
+    long prefix splits, a short prefix, a busy GPU, eager callers (no max_seq_len)
+    and non-CUDA devices do not."""
+    monkeypatch.setitem(K._SM_COUNT, 0, 132)
+    gpu = torch.device("cuda", 0)
+    assert K.prefix_splits(gpu, 8, 4096) == 8        # 1 tile x 8 KV heads
+    assert K.prefix_splits(gpu, 8, 64 * 1024) == 16  # capped
+    assert K.prefix_splits(gpu, 8, 512) == 1
+    assert K.prefix_splits(gpu, 128, 4096) == 3
+    assert K.prefix_splits(gpu, 256, 4096) == 1
+    assert K.prefix_splits(gpu, 8, None) == 1
+    assert K.prefix_splits(torch.device("cpu"), 8, 4096) == 1
