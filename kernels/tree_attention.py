@@ -368,4 +368,4 @@ def prefix_splits(device: torch.device, programs: int, max_seq_len: int | None,
     sms = _SM_COUNT[index]
     if programs >= sms:
         return 1
-    return max(1, min(max_splits, -(-2 * sms // programs), -(-max_seq_len // keys_per_split)))
+    return max(1, min(max_splits, -(-2 * sms // programs), max_seq_len // keys_per_split))

@@ -245,7 +245,8 @@ def test_prefix_splits_only_where_a_gpu_would_idle_and_the_prefix_is_long(monkey
     gpu = torch.device("cuda", 0)
     assert K.prefix_splits(gpu, 8, 4096) == 8        # 1 tile x 8 KV heads
     assert K.prefix_splits(gpu, 8, 64 * 1024) == 16  # capped
-    assert K.prefix_splits(gpu, 8, 512) == 1
+    assert K.prefix_splits(gpu, 8, 512 + 8) == 1    # 8 tree rows after 512 keys
+    assert K.prefix_splits(gpu, 8, 1023) == 1
     assert K.prefix_splits(gpu, 128, 4096) == 3
     assert K.prefix_splits(gpu, 256, 4096) == 1
     assert K.prefix_splits(gpu, 8, None) == 1
