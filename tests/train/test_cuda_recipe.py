@@ -88,10 +88,44 @@ def test_a_small_run_from_the_parts_exports_a_head(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_treespec.train.cuda_recipe", "run", str(pack_dir),
          "--store", str(store), "--out", str(out), "--device", "cpu", "--minutes", "10",
-         "--train-args", small], capture_output=True, text=True, timeout=900)
+         "--train-args", small, "--out-part-mib", "1"], capture_output=True, text=True,
+        timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "done: head exported" in proc.stdout
+    # The weights come back in parts of at most 1 MiB, and join-head rejoins them.
+    parts = sorted(out.glob("model.safetensors.part*"))
+    assert len(parts) > 1 and all(p.stat().st_size <= 2**20 for p in parts)
+    assert not (out / "model.safetensors").exists()
+    subprocess.run([sys.executable, "-m", "vllm_treespec.train.cuda_recipe", "join-head",
+                    str(out)], check=True, timeout=120)
+    assert not list(out.glob("model.safetensors.part*"))
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("d2t").numel() == 512
     summary = json.loads((out / "MANIFEST.json").read_text())
     assert summary["data"]["sequences"] >= 6
+
+
+def test_join_head_refuses_a_missing_or_corrupt_part(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    weights = os.urandom(3_000_000)
+    (head / "model.safetensors").write_bytes(weights)
+    (head / "config.json").write_text("{}")
+    (head / "MANIFEST.json").write_text(json.dumps({"files": {
+        name: assets.sha256_file(head / name) for name in ("config.json", "model.safetensors")}}))
+    cuda_recipe._cut(head / "model.safetensors", head, part_mib=1)
+    (head / "model.safetensors").unlink()
+    keep = {p.name: p.read_bytes() for p in head.glob("*.part*")}
+    assert len(keep) == 3
+    (head / "model.safetensors.part1").write_bytes(b"x" + keep["model.safetensors.part1"][1:])
+    with pytest.raises(ValueError, match="does not match its MANIFEST"):
+        cuda_recipe.join_head(head)
+    for name, data in keep.items():
+        (head / name).write_bytes(data)
+    (head / "model.safetensors.part2").unlink()
+    with pytest.raises(ValueError, match="does not match its MANIFEST"):
+        cuda_recipe.join_head(head)
+    (head / "model.safetensors.part2").write_bytes(keep["model.safetensors.part2"])
+    cuda_recipe.join_head(head)
+    assert (head / "model.safetensors").read_bytes() == weights
+    assert not list(head.glob("*.part*"))

@@ -15,13 +15,15 @@ part by part; once all are there it joins them, checks the whole file against
 the hash the assets pin, converts it to an fp32 Hugging Face directory, and runs
 ``train-drafter`` with the transformers backend on CUDA for at most
 ``--minutes``. Every stage resumes, so the same command continues where the
-last one stopped; when the head is exported it is copied to ``--out``.
+last one stopped; when the head is exported it is copied to ``--out`` (with
+``--out-part-mib``, its weights in parts for a machine that hands back only
+small files; ``join-head DIR`` here rejoins them, checked against the head's
+``MANIFEST.json``).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shlex
 import shutil
@@ -44,6 +46,16 @@ def _holds(path: Path, sha256: str) -> bool:
     return path.exists() and assets.sha256_file(path) == sha256
 
 
+def _cut(src: Path, dst: Path, part_mib: float) -> list[Path]:
+    """``src`` as ``dst/<name>.part0, .part1, ...`` of at most ``part_mib`` MiB each."""
+    parts, size = [], int(part_mib * 2**20)
+    with open(src, "rb") as f:
+        while chunk := f.read(size):
+            parts.append(dst / f"{src.name}.part{len(parts)}")
+            parts[-1].write_bytes(chunk)
+    return parts
+
+
 def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
          wheel: Path | None = None) -> dict:
     """Write the parts, wheel (and prompts) into ``out``; returns ``pack.json``.
@@ -51,13 +63,8 @@ def pack(out: Path, part_mib: float, prompts_from: Path | None = None,
     package index."""
     out.mkdir(parents=True, exist_ok=True)
     gguf = assets.find_gguf()
-    parts, size = [], int(part_mib * 2**20)
-    with open(gguf, "rb") as f:
-        while chunk := f.read(size):
-            part = out / f"{gguf.name}.part{len(parts)}"
-            part.write_bytes(chunk)
-            parts.append({"name": part.name, "bytes": len(chunk),
-                          "sha256": hashlib.sha256(chunk).hexdigest()})
+    parts = [{"name": part.name, "bytes": part.stat().st_size,
+              "sha256": assets.sha256_file(part)} for part in _cut(gguf, out, part_mib)]
     if prompts_from is not None:
         shutil.copy(prompts_from, out / "prompts.jsonl")
     if wheel is None:  # the version installed here, which reads this file
@@ -134,7 +141,7 @@ def target_from(store: Path, gguf: Path) -> Path:
 
 
 def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str,
-        extra: list[str] = ()) -> str:
+        extra: list[str] = (), out_part_mib: float | None = None) -> str:
     """One bounded invocation on the GPU machine; returns what state it left."""
     missing = collect(pack_dir, store)
     if missing:
@@ -152,8 +159,32 @@ def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str,
     if (head / "config.json").exists():
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(head, out)
+        if out_part_mib:  # a machine that returns only small files: join-head puts it back
+            weights = out / "model.safetensors"
+            _cut(weights, out, out_part_mib)
+            weights.unlink()
         return f"done: head exported to {out}"
     return "progress: rerun the same command to continue"
+
+
+def join_head(head: Path) -> Path:
+    """A head returned in parts (``run --out-part-mib``) made whole again, each
+    file checked against the SHA-256 its ``MANIFEST.json`` lists."""
+    files = json.loads((head / "MANIFEST.json").read_text())["files"]
+    for name, digest in files.items():
+        parts = sorted(head.glob(f"{name}.part*"), key=lambda p: int(p.name.rsplit("part", 1)[1]))
+        whole = head / name
+        if parts:
+            with open(whole.with_name(name + ".tmp"), "wb") as f:
+                for part in parts:
+                    f.write(part.read_bytes())
+            whole.with_name(name + ".tmp").replace(whole)
+        if not _holds(whole, digest):
+            raise ValueError(f"{whole} does not match its MANIFEST (SHA-256 {digest}): a part "
+                             f"is missing or corrupt ({[p.name for p in parts]})")
+        for part in parts:
+            part.unlink()
+    return head
 
 
 def _train_drafter(argv: list[str]) -> None:
@@ -179,12 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--device", default="cuda")
     r.add_argument("--train-args", default="",
                    help="train-drafter options that override the recipe's (a smaller run)")
+    r.add_argument("--out-part-mib", type=float, default=None,
+                   help="write the head's weights in parts of this size (join-head rejoins)")
+    j = sub.add_parser("join-head", help="here: rejoin a head returned in parts, checked")
+    j.add_argument("dir", type=Path)
     args = p.parse_args(argv)
     if args.cmd == "pack":
         print(json.dumps(pack(args.dir, args.part_mib, args.prompts), indent=2))
+    elif args.cmd == "join-head":
+        print(f"[cuda-recipe] head whole and checked: {join_head(args.dir)}")
     else:
         state = run(args.dir, args.store, args.minutes, args.out, args.device,
-                    shlex.split(args.train_args))
+                    shlex.split(args.train_args), args.out_part_mib)
         print(f"[cuda-recipe] {state}")
     return 0
 
