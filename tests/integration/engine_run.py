@@ -49,6 +49,8 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(oracle.stream_seeded_plain_steps)
     if spec.get("draft_faults") and tree_mode:
         llm.collective_rpc(oracle.inject_draft_faults, args=(spec["draft_faults"],))
+    if spec.get("vllm_zero_drafts") and tree_mode:
+        llm.collective_rpc(oracle.restore_vllm_zero_drafts)
     sampling = SamplingParams(**spec["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     if spec.get("max_tokens_per_prompt"):  # requests finishing at different steps

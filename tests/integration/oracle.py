@@ -271,3 +271,14 @@ def inject_draft_faults(worker, every: int) -> bool:
 
     model.forward = failing_forward
     return True
+
+
+def restore_vllm_zero_drafts(worker) -> bool:
+    """collective_rpc target (negative control): vLLM's own handling of a batch
+    that does not fit the drafter (token-0 drafts, num_spec_tokens per request)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = worker.model_runner
+    runner._copy_draft_token_ids_to_cpu = GPUModelRunner._copy_draft_token_ids_to_cpu.__get__(
+        runner)
+    return True
