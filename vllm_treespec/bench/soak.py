@@ -292,10 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for name, tree in [("plain", None)] + [(t, TREES[t]) for t in trees]:
         print(f"[soak] {name}: serving and loading", flush=True)
-        sent = (mix, warm) if tree is not None else ([r.unseeded() for r in mix],
-                                                     [r.unseeded() for r in warm])
-        runs[name] = soak_server(name, tree, args, str(assets.target), quiet, *sent, out,
-                                 str(assets.drafter))
+        warm_sent, mix_sent = (warm, mix) if tree is not None else (
+            [r.unseeded() for r in warm], [r.unseeded() for r in mix])
+        runs[name] = soak_server(name, tree, args, str(assets.target), quiet=quiet,
+                                 warm=warm_sent, mix=mix_sent, out=out,
+                                 drafter=str(assets.drafter))
     summary, violations = check(runs, mix, args.allow_no_preemption, bool(args.invalid_trees))
     result = {"args": vars(args), "servers": summary, "violations": violations}
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")

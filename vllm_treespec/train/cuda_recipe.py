@@ -49,6 +49,8 @@ def _holds(path: Path, sha256: str) -> bool:
 def _cut(src: Path, dst: Path, part_mib: float) -> list[Path]:
     """``src`` as ``dst/<name>.part0, .part1, ...`` of at most ``part_mib`` MiB each."""
     parts, size = [], int(part_mib * 2**20)
+    if size < 1:
+        raise ValueError(f"part size {part_mib} MiB is under one byte")
     with open(src, "rb") as f:
         while chunk := f.read(size):
             parts.append(dst / f"{src.name}.part{len(parts)}")
