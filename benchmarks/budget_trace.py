@@ -6,7 +6,10 @@ of each depth as a tree and as a chain, and every step time the runner feeds
 the budget (``observe_step``). The report groups the plan-to-plan cycle (the
 whole step, drafting included) by decision, next to the step time the cost
 model saw, and prints the prediction of one mid-run plan: a decision that
-runs longer than its prediction carries cost the model does not see.
+runs longer than its prediction carries cost the model does not see. It also
+records what each plan's drafts then accepted (``observe_acceptance``) next to
+the gain the plan was bought for: an estimate biased upward picks trees where
+the chain wins.
 
     python benchmarks/budget_trace.py --prompts 3 --max-tokens 256 --out trace.json
 """
@@ -29,9 +32,12 @@ PROMPTS = ["Write a Python function that merges two sorted lists and explain it.
 def install(log: list):
     """An in-process worker hook (the engine runs in this process) wrapping the budget."""
     def hook(worker) -> bool:
+        from vllm_treespec.tree.accept import Outcome
+
         runner = worker.model_runner
         policy = runner.tree_policy
         plan_depth, observe_step = policy.plan_depth, policy.observe_step
+        select, observe_acceptance = policy.select, policy.observe_acceptance
 
         def plan(batch):
             # One pass over every depth (as plan_depth prices them): the hook's own
@@ -53,7 +59,24 @@ def install(log: list):
                         "s": seconds, "branching": branching})
             return observe_step(num_tokens, seconds, branching)
 
+        def pick(scores, max_nodes, chain=None):
+            budget, chain_only = select(scores, max_nodes, chain)
+            log.append({"t": time.perf_counter(), "kind": "select",
+                        "nodes": budget.tolist(), "chain_only": chain_only})
+            return budget, chain_only
+
+        def accepted(outcome, depth_used, predicted):
+            if not isinstance(outcome, Outcome):  # a bare list: chains, none cut short
+                outcome = Outcome(list(outcome), list(outcome), [False] * len(outcome))
+            log.append({"t": time.perf_counter(), "kind": "accept",
+                        "accepted": list(outcome.accepted),
+                        "chain_accepted": list(outcome.chain_accepted),
+                        "chain_censored": list(outcome.chain_censored),
+                        "predicted": predicted, "kappa": policy.kappa})
+            return observe_acceptance(outcome, depth_used, predicted)
+
         policy.plan_depth, policy.observe_step = plan, observe
+        policy.select, policy.observe_acceptance = pick, accepted
         return True
     return hook
 
@@ -71,7 +94,36 @@ def report(log: list) -> dict:
             "by_decision": {k: {"plans": len(v), "cycle_ms_median": statistics.median(v),
                                 "observed_step_ms_median": statistics.median(seen[k])}
                             for k, v in sorted(cycle.items())},
+            "acceptance_by_decision": realised(log),
             "mid_run_plan": mid}
+
+
+def realised(log: list) -> dict:
+    """Per decision (depth, tree or chain, and whether the selection kept a
+    chain), the gain the plan predicted (1 + its estimates summed to its depth)
+    against what its drafts accepted (1 + accepted), and the leading chain's part
+    of it: in tree mode, what the chain alone would have collected at most."""
+    groups: dict = collections.defaultdict(lambda: collections.defaultdict(list))
+    plan = chosen = None
+    for e in log:
+        if e["kind"] == "plan":
+            plan, chosen = e, None
+        elif e["kind"] == "select":
+            chosen = e
+        elif e["kind"] == "accept" and plan is not None and plan["d"] > 0:
+            d, est = plan["d"], plan["chain_acc"] if plan["chain"] else plan["acc"]
+            mode = "chain" if plan["chain"] else (
+                "tree, kept chains" if chosen and chosen["chain_only"] else "tree, branching")
+            g = groups[f"depth {d} {mode}{' (probe)' if plan['probe'] else ''}"]
+            g["predicted"].append(1.0 + sum(est[:d]))
+            g["realised"].append(1.0 + statistics.mean(e["accepted"]))
+            g["chain_part"].append(1.0 + statistics.mean(e["chain_accepted"]))
+            if chosen:
+                g["nodes"].append(statistics.mean(chosen["nodes"]))
+            plan = None  # one outcome per plan
+    return {k: {"steps": len(g["realised"]), **{f"{n}_mean": round(statistics.mean(v), 3)
+                                                for n, v in g.items() if v}}
+            for k, g in sorted(groups.items())}
 
 
 def main(argv=None) -> int:

@@ -80,3 +80,26 @@ def test_the_plain_servers_copy_of_the_mix_has_no_seeds_and_nothing_else_changes
         else:
             assert a is b
     assert all("seed" in r.body for r in seeded)  # the tree servers' mix is untouched
+
+
+def _run(name, rss_warm, rss_loaded, preemptions=3.0):
+    from vllm_treespec.bench.soak import ServerRun
+
+    metrics = {"vllm:num_preemptions_total": preemptions}
+    return ServerRun(name, [], [], [[], []] if name == "plain" else [[]], [1.0, 1.0], rss_warm,
+                     rss_loaded, rss_end=rss_loaded, healthy_end=True, metrics=metrics, dumps=0,
+                     injected_dumps=0)
+
+
+def test_memory_is_judged_against_plain_vllms_own_growth():
+    from vllm_treespec.bench.soak import check
+
+    def memory_violations(plain_growth, tree_growth):
+        runs = {"plain": _run("plain", 1000, int(1000 * plain_growth)),
+                "adaptive": _run("adaptive", 1000, int(1000 * tree_growth))}
+        return [v for v in check(runs, [])[1] if "resident memory" in v]
+
+    assert memory_violations(1.15, 1.18) == []        # plain vLLM grows as much
+    assert memory_violations(1.0, 1.09) == []         # within 10 %
+    assert memory_violations(1.0, 1.12) and memory_violations(1.15, 1.30)
+    assert memory_violations(1.5, 1.0) == []          # plain itself is not judged
