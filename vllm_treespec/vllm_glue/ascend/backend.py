@@ -27,7 +27,10 @@ vllm-ascend uses it but has not run on hardware here: validate it with
 ``vllm-treespec npu-check`` first.
 
 Owns the per-process state (active variant, persistent buffers, captured calls).
-Imports torch_npu and vllm_ascend at module level; from this package, nothing.
+Imports torch_npu and vllm_ascend at module level; from this project: the
+attention interface and :mod:`vllm_treespec.attention.ascend` (buffers, constants,
+executors, graphs, plans, settings), the tree config and its error, and the glue's
+backend-cache clearing and ``spec_config``; nothing else of ``vllm_glue.ascend``.
 """
 
 from __future__ import annotations

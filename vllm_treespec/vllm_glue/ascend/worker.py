@@ -5,7 +5,8 @@ Owns ``TreeNPUWorker``: ``NPUWorker`` whose runner is
 start-up checks (supported device and configuration), the ACL graph mode fit
 (FULL graphs become piecewise unless the tree capture is enabled) and the choice
 of fused variant (the ``tree_sparse`` probe). Imports torch_npu and vllm_ascend
-at module level, and :mod:`.backend` and :mod:`.runner`.
+at module level, :mod:`.backend` and :mod:`.runner`, the tree config and
+:mod:`vllm_treespec.attention.ascend`'s constants, settings and startup probe.
 """
 
 from __future__ import annotations
