@@ -146,3 +146,15 @@ def test_a_speculators_format_config_is_read_one_level_down(drafter_copy):
     (drafter_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(TreeSpecConfigError, match="vocab_size 32000"):
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_every_layer_must_run_the_tree_backend():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from vllm_treespec.vllm_glue.cpu_attention import TreeCPUAttentionBackend
+
+    support.check_tree_backends([TreeCPUAttentionBackend] * 3, TreeCPUAttentionBackend)
+    # the registry override did not take for one layer: stock attention, causal for trees
+    with pytest.raises(TreeSpecConfigError, match="CPUAttentionBackend.*causal"):
+        support.check_tree_backends([TreeCPUAttentionBackend, CPUAttentionBackend],
+                                    TreeCPUAttentionBackend)

@@ -29,6 +29,11 @@ class _CPUDevice:
     def _kv_views(self, cache: torch.Tensor):
         return kv_views(cache, cache.shape[-1] // 2)
 
+    def _tree_attention_backend(self) -> type:
+        from vllm_treespec.vllm_glue.cpu_attention import TreeCPUAttentionBackend
+
+        return TreeCPUAttentionBackend
+
     def _allocate_kv_cache_tensors(self, kv_cache_config):
         """vLLM sizes each layer's cache by the scheduler's block count; we add
         ``SPARE_BLOCKS`` pages at the end, which the scheduler never hands out

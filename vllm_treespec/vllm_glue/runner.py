@@ -1,5 +1,6 @@
 """Tree verification inside vLLM's model runner. The mixin is device-agnostic;
-a device runner adds only its KV-cache layout (``_kv_views``).
+a device runner adds only its KV-cache layout (``_kv_views``) and names its tree
+attention backend (``_tree_attention_backend``, checked on every layer).
 
 Per step, for requests whose scheduled draft tokens are a tree:
 
@@ -69,6 +70,8 @@ class TreeRunnerMixin(StepCostCalibration):
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         support.check_kv_cache_groups(len(kv_cache_config.kv_cache_groups))
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        support.check_tree_backends([g.backend for groups in self.attn_groups for g in groups],
+                                    self._tree_attention_backend())
         if not kwargs.get("is_profiling", args[0] if args else False):
             self._calibrate_kernels()
             self._calibrate_step_cost()
@@ -91,6 +94,10 @@ class TreeRunnerMixin(StepCostCalibration):
 
     def _kv_views(self, cache) -> tuple[torch.Tensor, ...]:
         """[blocks, block_size, ...] views of one layer's K and V (device layout)."""
+        raise NotImplementedError
+
+    def _tree_attention_backend(self) -> type:
+        """The attention backend class every layer must run in tree mode."""
         raise NotImplementedError
 
     def _kv_layer_views(self):

@@ -13,7 +13,10 @@ each such feature is refused here with a message that names it:
   ``VllmConfig`` in the frontend, before any process loads a model;
 * ``check_attention_layer``: per-layer attention features, checked when the
   tree attention backend builds each layer (model construction, before the
-  weights are loaded), from exactly the arguments the layer receives.
+  weights are loaded), from exactly the arguments the layer receives;
+* ``check_tree_backends``: every attention layer really runs the device's tree
+  backend (the plugin swaps it in by a registry override; if that did not take,
+  the stock backend would give tree rows causal attention).
 
 Pure checks over plain values; the callers in ``spec_config``, the runner and
 the attention backends hand them vLLM's objects.
@@ -170,3 +173,16 @@ def check_kv_cache_groups(num_groups: int) -> None:
     if num_groups != 1:
         raise _refuse(f"{num_groups} KV-cache groups (layers with different cache specs)",
                       "the accepted path is committed in one group only")
+
+
+def check_tree_backends(backends: list[type], tree_backend: type) -> None:
+    """Every attention layer's backend (target and drafter) is the tree backend."""
+    if not backends:
+        raise TreeSpecConfigError("eagle3_tree: the runner built no attention layers to "
+                                  "check for the tree backend")
+    other = sorted({b.__name__ for b in backends if not issubclass(b, tree_backend)})
+    if other:
+        raise TreeSpecConfigError(
+            f"eagle3_tree: attention layers run {other}, not the tree backend "
+            f"{tree_backend.__name__}; they would verify trees with causal attention "
+            f"(the tree backend was not installed in this process: plugin loading?)")

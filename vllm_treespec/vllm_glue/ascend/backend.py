@@ -40,7 +40,7 @@ import os
 
 import torch
 import torch_npu  # this module only loads on Ascend installs
-from vllm.config import CUDAGraphMode, get_current_vllm_config
+from vllm.config import CUDAGraphMode
 from vllm.forward_context import get_forward_context
 from vllm_ascend.ascend_forward_context import _EXTRA_CTX
 from vllm_ascend.attention.attention_v1 import (
@@ -108,11 +108,21 @@ def kv_pair(kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
     raise TypeError(f"unexpected Ascend KV cache {type(kv_cache).__name__}")
 
 
+# Recorded by the tree worker when it starts (``record_tree_mode``), not guessed
+# from whichever config is current when a layer asks for its backend: a lookup
+# that failed once answered "stock backend" while tree rows were scheduled.
+# The runner then checks every layer's backend (``support.check_tree_backends``).
+_TREE_MODE = False
+
+
+def record_tree_mode() -> None:
+    """This process serves ``eagle3_tree``: layers get the tree backend."""
+    global _TREE_MODE
+    _TREE_MODE = True
+
+
 def _tree_mode() -> bool:
-    try:
-        return tree_config_from_vllm(get_current_vllm_config()) is not None
-    except Exception:  # no current config: not inside an engine
-        return False
+    return _TREE_MODE
 
 
 def install_backend() -> None:

@@ -9,13 +9,16 @@ layout, the drafter class and ``_prepare_inputs``'s return value. Imports
 
 from __future__ import annotations
 
-from vllm_treespec.vllm_glue.ascend.backend import kv_pair
+from vllm_treespec.vllm_glue.ascend.backend import TreeAscendAttentionBackend, kv_pair
 from vllm_treespec.vllm_glue.ascend.proposer import tree_ascend_proposer_class
 
 
 class _NPURunnerKVLayout:
     def _kv_views(self, cache):
         return kv_pair(cache)
+
+    def _tree_attention_backend(self) -> type:
+        return TreeAscendAttentionBackend
 
     def _tree_proposer_class(self) -> type:
         return tree_ascend_proposer_class()

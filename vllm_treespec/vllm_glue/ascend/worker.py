@@ -23,6 +23,7 @@ from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue.ascend.backend import (
     install_backend,
+    record_tree_mode,
     set_active_variant,
     settings_from_config,
 )
@@ -93,6 +94,7 @@ class TreeNPUWorker(NPUWorker):
     def init_device(self):
         import vllm_ascend.worker.worker as npu_worker
 
+        record_tree_mode()
         install_backend()
         stock_runner = npu_worker.NPUModelRunner
         npu_worker.NPUModelRunner = tree_npu_runner_class(stock_runner)
