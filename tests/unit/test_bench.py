@@ -1,6 +1,8 @@
 """The benchmark's dataset and arithmetic: pangu240 turns, /metrics parsing,
 per-turn speedups, acceptance, per-depth rates and the stage breakdown."""
 
+import json
+
 import pytest
 
 from vllm_treespec.bench import driver, pangu240, report
@@ -119,3 +121,28 @@ def test_resume_files_keep_finished_turns_and_all_sittings_counters(tmp_path):
     before, after = read_window(window)
     assert after["c"] - before.get("c", 0.0) == 11.0
     assert read_window(tmp_path / "missing.json") is None
+
+
+def test_resume_continues_with_the_runs_own_settings(tmp_path, capsys):
+    """A resumed run takes its settings from run.json; one given that differs is
+    refused (found the hard way: ``--resume DIR`` alone once continued a 20-turn,
+    256-token run as the full 240-turn, 1024-token protocol in the same files)."""
+    from vllm_treespec.bench import RUN_KEYS, build_parser, resumed_args
+
+    parser = build_parser()
+    stored = {k: parser.get_default(k) for k in RUN_KEYS} | {
+        "limit": 20, "max_tokens": 256, "methods": "none,eagle3:k=2", "model": "M",
+        "drafter": "D"}
+    (tmp_path / "run.json").write_text(json.dumps(stored))
+    args = parser.parse_args(["--resume", str(tmp_path)])
+    resumed_args(parser, args, tmp_path)
+    assert (args.limit, args.max_tokens, args.methods, args.model) == (20, 256,
+                                                                      "none,eagle3:k=2", "M")
+    args = parser.parse_args(["--resume", str(tmp_path), "--max-tokens", "256"])  # the same
+    resumed_args(parser, args, tmp_path)
+    args = parser.parse_args(["--resume", str(tmp_path), "--limit", "240"])
+    with pytest.raises(SystemExit):
+        resumed_args(parser, args, tmp_path)
+    assert "--limit 240 differs from the run's 20" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        resumed_args(parser, parser.parse_args(["--resume", str(tmp_path / "x")]), tmp_path / "x")

@@ -13,8 +13,9 @@ server's log. Methods take options: ``eagle3:k=4``,
 
 Resumable: every finished concurrency-1 turn is appended to
 ``turns-METHOD.jsonl`` at once, with the /metrics counters of its sitting in
-``window-METHOD.json``; ``--resume DIR`` (same arguments) skips the turns
-already there, and a method with all its turns done starts no server. So a long
+``window-METHOD.json``; ``--resume DIR`` continues with the run's own settings
+(``DIR/run.json``; a different one given on the command line is refused) and skips
+the turns already there, and a method with all its turns done starts no server. So a long
 protocol can be finished over several sittings of under an hour each.
 Concurrency > 1 runs are not resumed: a method that has them runs them again.
 """
@@ -90,12 +91,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# What defines a run: ``--resume`` takes these from the run's ``run.json``.
+RUN_KEYS = ("suite", "limit", "methods", "concurrency", "model", "drafter", "eagle3_k", "tree",
+            "max_tokens", "temperature", "serve_args", "threads_bind")
+
+
+def resumed_args(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> None:
+    """Fill ``args`` from the run being resumed; a setting given on the command
+    line that differs from the run's is an error (a resumed run measured with
+    other settings would mix two protocols in one table)."""
+    stored_path = out / "run.json"
+    if not stored_path.exists():
+        parser.error(f"--resume {out}: no run.json there (not a bench run, or one from before "
+                     f"resuming kept its settings)")
+    stored = json.loads(stored_path.read_text())
+    for key in RUN_KEYS:
+        given = getattr(args, key)
+        if given != parser.get_default(key) and given != stored[key]:
+            parser.error(f"--resume {out}: --{key.replace('_', '-')} {given!r} differs from the "
+                         f"run's {stored[key]!r} (leave it out to continue the run as it was)")
+        setattr(args, key, stored[key])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if (args.out is None) == (args.resume is None):
         parser.error("give exactly one of --out DIR (a new run) and --resume DIR")
     out = Path(args.out or args.resume)
+    if args.resume is not None:
+        resumed_args(parser, args, out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model is None or args.drafter is None:
         from vllm_treespec.assets import ensure_assets
@@ -103,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         assets = ensure_assets()
         args.model = args.model or str(assets.target)
         args.drafter = args.drafter or str(assets.drafter)
+    (out / "run.json").write_text(json.dumps({k: getattr(args, k) for k in RUN_KEYS},
+                                             indent=1) + "\n")
     methods = [parse_method(m, args) for m in split_methods(args.methods)]
     concurrency = sorted({int(c) for c in args.concurrency.split(",")} | {1})
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
