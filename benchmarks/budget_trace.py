@@ -38,7 +38,6 @@ def install(log: list):
         policy = runner.tree_policy
         plan_depth, observe_step = policy.plan_depth, policy.observe_step
         select, observe_acceptance = policy.select, policy.observe_acceptance
-        level_pays = policy.level_pays
 
         def plan(batch):
             # One pass over every depth (as plan_depth prices them): the hook's own
@@ -76,14 +75,7 @@ def install(log: list):
                         "predicted": predicted, "kappa": policy.kappa})
             return observe_acceptance(outcome, depth_used, predicted)
 
-        def level(scores, frontier, depth, levels_run):
-            pays = level_pays(scores, frontier, depth, levels_run)
-            log.append({"t": time.perf_counter(), "kind": "level", "depth": depth,
-                        "pays": bool(pays)})
-            return pays
-
         policy.plan_depth, policy.observe_step = plan, observe
-        policy.level_pays = level
         policy.select, policy.observe_acceptance = pick, accepted
         return True
     return hook
@@ -98,9 +90,7 @@ def report(log: list) -> dict:
         cycle[key].append(1e3 * (cur["t"] - prev["t"]))
         seen[key].append(1e3 * sum(s["s"] for s in steps if prev["t"] < s["t"] < cur["t"]))
     mid = plans[len(plans) // 2] if plans else None
-    levels = [e for e in log if e["kind"] == "level"]
     return {"plans": len(plans),
-            "levels_asked": len(levels), "levels_cut": sum(not e["pays"] for e in levels),
             "by_decision": {k: {"plans": len(v), "cycle_ms_median": statistics.median(v),
                                 "observed_step_ms_median": statistics.median(seen[k])}
                             for k, v in sorted(cycle.items())},

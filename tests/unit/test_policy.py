@@ -501,32 +501,3 @@ def test_chains_cut_short_by_the_selection_are_not_rejections():
     assert chain == pytest.approx(0.8, abs=0.1)
     assert tree < 0.35
     assert run(outcomes=False)[0] < 0.35  # control: the cuts read as rejections
-
-
-def test_a_level_is_drafted_only_where_this_steps_scores_say_it_pays():
-    """plan_depth prices a depth by its average acceptance; level_pays asks again
-    with the step's own draft scores: a frontier the drafter is unsure of (its
-    children would add little acceptance) is not worth a level's time, a
-    confident one is. At batch 1 on the CPU a level costs ~2.5 ms of a ~36 ms
-    step, so it must add about 7 % of the step's expected tokens."""
-    p = policy(base=0.030, per_token=0.0002, accept=(0.6, 0.3, 0.1, 0.05, 0.02, 0.01))
-    p.level_cost.add(1, 0.0025)
-    p.level_cost.add(4, 0.003)
-    log = np.log
-    sure = np.array([[log(0.9), log(0.05), log(0.02), log(0.01)]])
-    unsure = np.array([[log(0.08), log(0.05), log(0.04), log(0.03)]])
-    assert p.level_pays(sure, sure[:, :1], depth=2, levels_run=0)
-    assert not p.level_pays(unsure, unsure, depth=2, levels_run=0)
-    # the same unsure frontier pays where a level is nearly free
-    cheap = policy(base=0.030, per_token=0.0002, accept=(0.6, 0.3, 0.1, 0.05, 0.02, 0.01))
-    cheap.level_cost.add(4, 0.0002)
-    assert cheap.level_pays(unsure, unsure, depth=2, levels_run=0)
-    # and where the next depth is seldom accepted, even the sure one does not
-    flat = policy(base=0.030, per_token=0.0002, accept=(0.6, 0.01, 0.0, 0.0, 0.0, 0.0))
-    flat.level_cost.add(1, 0.0025)
-    assert not flat.level_pays(sure, sure[:, :1], depth=2, levels_run=0)
-    # chain mode drafts stock EAGLE's chain whole, a probe its depth
-    p.chain_mode = True
-    assert p.level_pays(unsure, unsure, depth=2, levels_run=0)
-    p.chain_mode, p.probing = False, True
-    assert p.level_pays(unsure, unsure, depth=2, levels_run=0)

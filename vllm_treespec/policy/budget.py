@@ -41,10 +41,7 @@ and decides every step:
   can still be verified. In chain mode, or where the selection below keeps chains (branch_at(d)
   below one half: a device whose causal kernel makes branching dear), levels
   forward one node per request, the chain's tip, and cost what a stock chain
-  draft step costs; otherwise the full frontier of ``width`` nodes. And per
-  step, before each level of a tree: whether the frontier this step actually
-  drafted is confident enough for its children to pay for the level
-  (``level_pays``); if not, the tree stops at the depth it has.
+  draft step costs; otherwise the full frontier of ``width`` nodes.
 
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
@@ -357,44 +354,6 @@ class AdaptiveBudget:
                            if planned == 0 else self.probe_every)
         self._next_probe = self._steps + self._probe_gap
         return True
-
-    def level_pays(self, scores: np.ndarray, frontier: np.ndarray, depth: int,
-                   levels_run: int) -> bool:
-        """Whether this step should forward ``frontier`` (cumulative draft log-probs
-        [B, w] of the nodes whose children, at ``depth``, the level drafts).
-
-        ``plan_depth`` prices a depth by its average acceptance, before the step
-        has seen a draft; this asks again with the step's own scores. The level
-        is worth its time if the acceptance its children are expected to add,
-        sum(q_f) x P(depth | depth - 1), is at least what the step's tokens so
-        far earn in the time the level and one more node per request cost:
-        dG >= G x dT / T, with G = B + sum(q) of the best selection of the
-        candidates so far, T its verify time plus the drafting so far. In
-        interleaved in-process runs (8 chat prompts x 200 tokens) this cut the
-        drafting time per step by 13 % at the same tokens per step. Chain mode
-        drafts stock EAGLE's chain whole, and a probe its depth: both draft on.
-        """
-        if self.probing or self.chain_mode:
-            return True
-        B, m = scores.shape[0], min(self.M, scores.shape[1])
-        cost = self.step_cost.costs(B + np.arange(B * m + B + 1))  # + one node per request
-        level = self.level_cost(frontier.size)
-        if cost is None or level is None:
-            return True
-        q = np.minimum(self.kappa * np.exp(scores), 1.0)
-        extra = max(self.branch_cost, 0.0)
-        counts, _ = self._best_prefix(np.nan_to_num(q, nan=0.0), m, cost[:B * m + 1], extra)
-        kept = int(counts.sum())
-        best = -np.sort(-q, axis=1)                  # each request keeps its best counts[b]
-        gain = B + float(best[np.arange(q.shape[1]) < counts[:, None]].sum())
-        drafting = ((self.first_pass_cost(2 * B) or 0.0) + (self.draft_overhead(B) or 0.0)
-                    + levels_run * level)
-        spent = cost[kept] + (extra if kept else 0.0) + drafting
-        more = level + cost[kept + B] - cost[kept]
-        est = self.accepted_at
-        given = est[depth - 1] / est[depth - 2] if depth >= 2 and est[depth - 2] > 0 else 0.0
-        added = given * float(np.minimum(self.kappa * np.exp(frontier), 1.0).sum())
-        return added * spent >= gain * more
 
     def select(self, scores: torch.Tensor, max_nodes: int,
                chain: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:

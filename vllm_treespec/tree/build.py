@@ -201,13 +201,6 @@ class DynamicTreeBuilder:
                      parent_slot=torch.div(best, k, rounding_mode="floor"),
                      depth=self._level, node_id=self._frontier_id)
 
-    @property
-    def frontier_scores(self) -> torch.Tensor:
-        """[B, k] cumulative draft log-probs of the frontier, best first (the
-        nodes the next level would expand)."""
-        assert self._frontier_score is not None
-        return self._frontier_score
-
     def candidate_scores(self) -> torch.Tensor:
         """[B, N] cumulative draft log-probs of all candidates so far (root excluded)."""
         return self.scores[:, 1:self._next_free]

@@ -17,9 +17,7 @@ runner verifies it.
 A level forwards only the frontier nodes that can still matter: those whose
 children can enter the final top-``num_nodes`` (``selectable_width``) and, with
 the adaptive budget, at most ``level_width`` per request (one, the chain's tip,
-while its selections keep chains), so a chain costs a stock chain's drafting;
-and a level runs at all only if this step's own draft scores say its children
-can pay for it (``AdaptiveBudget.level_pays``; tree mode).
+while its selections keep chains), so a chain costs a stock chain's drafting.
 When the budget says "no drafts" for a decode step, the first pass is skipped
 too and its inputs deferred (``deferred_drafts``); the next drafting step
 catches the drafter's KV up in one batched pass before its own first pass.
@@ -225,14 +223,10 @@ class TreeEagleProposer(EagleProposer):
                      else self.tree_cfg.top_k)
         t_levels = time.perf_counter()
         while not builder.done and level.tokens.shape[1] > 0:
+            levels_run += 1
             F = level.tokens.shape[1]
             if dynamic:  # forward only frontier nodes whose children can still be kept
                 F = min(F, width_cap, builder.selectable_width())
-                if self.policy is not None and not self._level_pays(builder, F, level.depth + 1,
-                                                                    levels_run):
-                    self.last_depth = level.depth  # drafted this deep; the rest was cut
-                    break
-            levels_run += 1
             tokens, slot = level.tokens[:, :F], level.parent_slot[:, :F]   # [B, F]
             nodes_forwarded += batch_size * F
             h_in = torch.gather(parent_hidden, 1,
@@ -289,12 +283,6 @@ class TreeEagleProposer(EagleProposer):
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest)
         return self._finish_step(drafts, t0)
-
-    def _level_pays(self, builder, width: int, depth: int, levels_run: int) -> bool:
-        """The adaptive budget's per-step check of the next level (``level_pays``)."""
-        return self.policy.level_pays(builder.candidate_scores().float().cpu().numpy(),
-                                      builder.frontier_scores[:, :width].float().cpu().numpy(),
-                                      depth, levels_run)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:
