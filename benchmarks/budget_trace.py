@@ -66,8 +66,8 @@ def install(log: list):
             return budget, chain_only
 
         def accepted(outcome, depth_used, predicted):
-            if not isinstance(outcome, Outcome):  # a bare list: chains, none cut short
-                outcome = Outcome(list(outcome), list(outcome), [False] * len(outcome))
+            if not isinstance(outcome, Outcome):  # a bare list, as observe_acceptance takes
+                outcome = Outcome.of_chains(outcome)
             log.append({"t": time.perf_counter(), "kind": "accept",
                         "accepted": list(outcome.accepted),
                         "chain_accepted": list(outcome.chain_accepted),

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-BASE = {"draft_vocab": 8192, "data": 1.0, "steps": 1.0, "max_seq_len": 1024}
+BASE = {"draft_vocab": 8192, "data": 1.0, "steps": 1.0}
 VARIANTS = {
     "base": {},
     "vocab 4096": {"draft_vocab": 4096},
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                           "--steps", str(steps), "--eval-every", str(max(1, steps // 3)),
                           "--save-every", str(max(1, steps // 3)),
                           "--tokens-per-batch", str(args.tokens_per_batch),
-                          "--max-seq-len", str(v["max_seq_len"]), "--threads-train", "2")
+                          "--threads-train", "2")
         p = json.loads(progress.read_text())
         rows.append({"variant": name, **v, "steps": p.get("train_steps"),
                      "trained_positions": p.get("trained_positions"),
@@ -113,10 +113,10 @@ def main(argv=None) -> int:
     (out / "allocation.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"Data: {result['data']['sequences']} answers, {result['data']['positions']} "
              f"positions, generated in {result['data']['generate_seconds']} s.", "",
-             "| variant | draft vocab | data | steps | max seq len | positions trained "
-             "| train CPU-min | held-out proxy |", "|---|---|---|---|---|---|---|---|"]
+             "| variant | draft vocab | data | steps | positions trained "
+             "| train CPU-min | held-out proxy |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['variant']} | {r['draft_vocab']} | {r['data']:g} | {r['steps']} | "
-              f"{r['max_seq_len']} | {r['trained_positions']} | {r['train_minutes']} | "
+              f"{r['trained_positions']} | {r['train_minutes']} | "
               f"{r['accept_len_proxy']:.3f} |" for r in rows]
     (out / "allocation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -207,8 +207,7 @@ class AdaptiveBudget:
         ``Outcome`` (a bare list: trees that are chains, none cut short);
         predicted: the sum of the (uncalibrated) probabilities of the verified
         nodes."""
-        out = accepted if isinstance(accepted, Outcome) else Outcome(
-            list(accepted), list(accepted), [False] * len(accepted))
+        out = accepted if isinstance(accepted, Outcome) else Outcome.of_chains(accepted)
         if out.accepted:
             self._obs = 0.95 * self._obs + sum(out.accepted)
             self._pred = 0.95 * self._pred + predicted

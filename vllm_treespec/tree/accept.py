@@ -37,6 +37,7 @@ decoded one by one (idx_k >= k, and nothing to do when idx_k == k for all k).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -84,6 +85,11 @@ class Outcome:
     accepted: list[int]
     chain_accepted: list[int]
     chain_censored: list[bool]
+
+    @classmethod
+    def of_chains(cls, accepted: Sequence[int]) -> "Outcome":
+        """Accepted drafts of trees that are chains, none cut short by the tree."""
+        return cls(list(accepted), list(accepted), [False] * len(accepted))
 
     @classmethod
     def of(cls, tree: TreeBatch, acc: Acceptance) -> "Outcome":
