@@ -40,7 +40,8 @@ class TreeVerifyRows:
     """Tree rows of a verify batch, in the reference's terms (shared by all layers).
 
     rows: [Nt] flat query-token indices of the tree requests' tokens
-    meta: reference metadata over those rows only (queries re-packed densely)
+    meta: reference metadata over those rows only (queries re-packed densely);
+        None for a chain-only step on a device whose causal kernel needs nothing more
     covers_batch: every query row of the step is a tree row (no other requests),
         so a backend can skip its regular kernel entirely
     chain_only: every tree row is causal-exact (``TreeBatch.causal_exact``: all
@@ -52,7 +53,7 @@ class TreeVerifyRows:
     """
 
     rows: torch.Tensor
-    meta: PagedTreeAttentionMetadata
+    meta: PagedTreeAttentionMetadata | None
     covers_batch: bool = False
     chain_only: bool = False
     spare_blocks: list[int] = dataclasses.field(default_factory=list)

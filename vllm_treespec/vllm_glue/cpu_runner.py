@@ -25,6 +25,11 @@ class _CPUDevice:
     # batch-1 tree of 8 branches (a branch whose path crosses a block boundary
     # takes two). A step that needs more verifies its trees with torch instead.
     SPARE_BLOCKS = 8
+    # One-wide drafting levels run as stock EAGLE chain steps: the native kernel
+    # over the paged cache (``TreeEagleProposer._chain_level``). Not on Ascend:
+    # vllm-ascend's drafting metadata for that path is unverified without an NPU.
+    paged_chain_levels = True
+    chains_need_tree_metadata = False  # chain-only steps run the native kernel alone
 
     def _kv_views(self, cache: torch.Tensor):
         return kv_views(cache, cache.shape[-1] // 2)

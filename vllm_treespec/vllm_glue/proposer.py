@@ -17,7 +17,10 @@ runner verifies it.
 A level forwards only the frontier nodes that can still matter: those whose
 children can enter the final top-``num_nodes`` (``selectable_width``) and, with
 the adaptive budget, at most ``level_width`` per request (one, the chain's tip,
-while its selections keep chains), so a chain costs a stock chain's drafting.
+while its selections keep chains). Where the runner's device allows it
+(``paged_chain_levels``: the CPU), such one-wide levels run as stock EAGLE chain
+steps, native kernel over the paged cache, so a chain costs a stock chain's
+drafting.
 When the budget says "no drafts" for a decode step, the first pass is skipped
 too and its inputs deferred (``deferred_drafts``); the next drafting step
 catches the drafter's KV up in one batched pass before its own first pass.
@@ -33,13 +36,13 @@ import time
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
+from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 logger = logging.getLogger("vllm.treespec")
@@ -66,7 +69,7 @@ class ProposedTree:
     probs: list[float]  # draft probability of reaching each node (exp of its score)
 
 
-class TreeEagleProposer(EagleProposer):
+class TreeEagleProposer(PagedDrafting, EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
@@ -84,6 +87,9 @@ class TreeEagleProposer(EagleProposer):
         self.deferred = DeferredDrafts(self.max_num_tokens, self.hidden_size,
                                        lambda h: self.model.combine_hidden_states(h))
         self.defer_when_off = True  # False: run the first pass every step (reference)
+        # One-wide levels as stock chain steps on the paged cache (the runner's
+        # device says whether its attention backend serves them natively).
+        self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
         # Test-only fault (the soak's --invalid-trees): every N-th validated step
         # hands validation a tree with an impossible token.
         every = os.environ.get(INVALID_TREE_ENV, "")
@@ -221,12 +227,27 @@ class TreeEagleProposer(EagleProposer):
         dynamic = self.topology is None
         width_cap = (self.policy.level_width(depth) if self.policy is not None
                      else self.tree_cfg.top_k)
+        # One node a level (the chain's tip): a stock EAGLE chain step, with the
+        # native kernel over the paged cache (see _chain_level).
+        chain_levels = (self.paged_chain_levels and dynamic and width_cap == 1
+                        and depth - 1 <= self.tree_cfg.num_nodes  # the scheduler's lookahead
+                        and max_prefix + depth - 1 < self.max_model_len)
         t_levels = time.perf_counter()
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
+            if chain_levels:
+                nodes_forwarded += batch_size
+                last_hidden, hidden = self._chain_level(block_table, prefix_len, level,
+                                                        parent_hidden)
+                logprobs = self._draft_vocab_logprobs(last_hidden).view(batch_size, 1, -1)
+                parent_hidden = hidden.view(batch_size, 1, -1)
+                level = builder.next_level(logprobs)
+                continue
             F = level.tokens.shape[1]
-            if dynamic:  # forward only frontier nodes whose children can still be kept
+            if dynamic and width_cap > 1:  # only frontier nodes whose children can be kept
                 F = min(F, width_cap, builder.selectable_width())
+            elif dynamic:
+                F = min(F, width_cap)
             tokens, slot = level.tokens[:, :F], level.parent_slot[:, :F]   # [B, F]
             nodes_forwarded += batch_size * F
             h_in = torch.gather(parent_hidden, 1,
@@ -327,40 +348,6 @@ class TreeEagleProposer(EagleProposer):
             return max(1, sum(1 for i in range(1, self.topology.num_nodes + 1)
                               if i in set(self.topology.parent[1:])) + 1)
         return max(1, cfg.top_k * (cfg.depth - 1))
-
-    def _catch_up(self, cad, req_ids: list[str], step_start: list[int] | None) -> None:
-        """Forward the deferred drafter inputs of this batch's requests, batched
-        (passes of at most the drafter's token budget): they write the drafter
-        KV that the skipped first passes did not."""
-        for batch in self.deferred.take(req_ids, step_start, self.max_num_tokens):
-            self._catch_up_pass(cad, batch)
-
-    def _catch_up_pass(self, cad, batch) -> None:
-        dev = self.device
-        rows = torch.tensor(batch.rows, dtype=torch.long, device=dev)
-        q_lens = torch.tensor(batch.query_lens, dtype=torch.int32)
-        qsl = torch.zeros(len(batch.rows) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(q_lens, 0)
-        block_table = cad.block_table_tensor[rows]
-        positions = batch.positions.to(dev)
-        span = torch.repeat_interleave(torch.arange(len(batch.rows), device=dev),
-                                       q_lens.to(dev).long())
-        bs = self.block_size
-        slots = block_table[span, positions // bs].long() * bs + positions % bs
-        n = int(qsl[-1])
-        catch_up_cad = CommonAttentionMetadata(
-            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl,
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
-            num_reqs=len(batch.rows), num_actual_tokens=n, max_query_len=int(q_lens.max()),
-            max_seq_len=max(batch.seq_lens), block_table_tensor=block_table,
-            slot_mapping=slots, positions=positions)
-        _, per_layer_md = self.build_per_group_and_layer_attn_metadata(catch_up_cad)
-        with set_forward_context(per_layer_md, self.vllm_config, num_tokens=n,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(n, slots)):
-            self.model(input_ids=batch.ids.to(dev), positions=positions,
-                       hidden_states=batch.hidden.to(dev))
-        self.catch_up_tokens += n
 
     def _hand_over(self, trees: TreeBatch | None) -> list[list[int]]:
         """Draft token lists for the scheduler; remember each tree's shape."""

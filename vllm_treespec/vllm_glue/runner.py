@@ -44,6 +44,10 @@ logger = logging.getLogger("vllm.treespec")
 class TreeRunnerMixin(StepCostCalibration):
     """Mixed into a vLLM model runner class; inert for batches without trees."""
 
+    # Whether a verify step whose trees are all chains still needs the tree
+    # metadata (Ascend's plans read it; the CPU's native kernel does not).
+    chains_need_tree_metadata = True
+
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.tree_cfg = tree_config_from_vllm(vllm_config)
@@ -240,19 +244,22 @@ class TreeRunnerMixin(StepCostCalibration):
 
     def _tree_rows(self, step: VerifyStep) -> TreeVerifyRows:
         tree = step.tree
+        rows = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
+        total = int(self.query_start_loc.np[step.num_reqs])
+        chain_only = tree.is_chain
+        self._step_branching = not chain_only
+        if chain_only and not self.chains_need_tree_metadata:  # the native kernel is exact
+            return TreeVerifyRows(rows=rows, meta=None, covers_batch=rows.numel() == total,
+                                  chain_only=True, spare_blocks=self.tree_spare_blocks)
         q_lens = tree.num_nodes + 1
         qsl = torch.zeros(tree.batch_size + 1, dtype=torch.int32, device=self.device)
         qsl[1:] = torch.cumsum(q_lens, 0)
-        rows = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
         bt = self.input_batch.block_table[0]
         meta = PagedTreeAttentionMetadata(
             query_start_loc=qsl, seq_lens=(step.prefix_len + q_lens).int(),
             block_table=bt.get_device_tensor(step.num_reqs)[step.req_index],
             block_size=bt.block_size, tree_mask=tree_mask(tree),
             max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
-        total = int(self.query_start_loc.np[step.num_reqs])
-        chain_only = tree.is_chain
-        self._step_branching = not chain_only
         return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
                               chain_only=chain_only, spare_blocks=self.tree_spare_blocks)
 
