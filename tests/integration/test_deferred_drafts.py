@@ -21,12 +21,12 @@ pytestmark = pytest.mark.vllm
 TREE = {"method": "eagle3_tree", "num_nodes": 8, "depth": 3, "top_k": 4}
 
 
-def run(target_dir, drafter, prompts, engine_dir, mode):
+def run(target_dir, drafter, prompts, engine_dir, mode, chain):
     spec = {"engine": base_engine(target_dir,
                                   speculative_config=dict(TREE, model=str(drafter))),
             "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
-            "schedule": {"off_steps": 4, "period": 6, "mode": mode}}
-    return run_engine(spec, engine_dir, f"deferred_{mode}")
+            "schedule": {"off_steps": 4, "period": 6, "mode": mode, "chain": chain}}
+    return run_engine(spec, engine_dir, f"deferred_{mode}_{'chain' if chain else 'tree'}")
 
 
 def agreement(a: dict, b: dict) -> tuple[float, int]:
@@ -34,13 +34,17 @@ def agreement(a: dict, b: dict) -> tuple[float, int]:
     return sum(a[k] == b[k] for k in common) / max(len(common), 1), len(common)
 
 
+# chain=True: every drafting step in chain mode, whose one-wide levels write the
+# drafter's paged cache past the prefix (paged_drafts): catch-up must still
+# leave the prefix exactly as a drafter that never skipped would.
+@pytest.mark.parametrize("chain", [False, True], ids=["tree", "chain"])
 def test_catch_up_restores_the_drafts_of_a_drafter_that_never_skipped(
-        target_dir, short_greedy_reference, engine_dir):
+        target_dir, short_greedy_reference, engine_dir, chain):
     from vllm_treespec.assets import committed_drafter_dir
 
     drafter = committed_drafter_dir()
     prompts, plain = short_greedy_reference
-    outs = {m: run(target_dir, drafter, prompts, engine_dir, m)
+    outs = {m: run(target_dir, drafter, prompts, engine_dir, m, chain)
             for m in ("reference", "defer", "drop")}
     for mode, out in outs.items():
         assert out["outputs"] == plain["outputs"], f"{mode}: output differs from plain decoding"

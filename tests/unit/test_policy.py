@@ -270,6 +270,30 @@ def test_levels_are_one_wide_while_selections_keep_chains():
     assert p.level_cost(8) == pytest.approx(0.009, rel=0.05)
 
 
+def test_one_wide_levels_are_costed_apart_from_wide_ones():
+    """The CPU runs one-wide levels as stock chain steps on the native kernel and
+    wide ones on the side buffer: two kernels, two fits. Pooled, a run of chain
+    steps (every sample at one node per request) would price a wide level like a
+    chain level and favour trees until a wide step came to correct it."""
+    pooled, apart = policy(), policy()
+    for _ in range(20):
+        pooled.observe_draft(1, 0.001, levels=2, nodes_forwarded=2, levels_s=0.002)
+        apart.observe_draft(1, 0.001, levels=2, nodes_forwarded=2, levels_s=0.002,
+                            one_wide=True)
+        for p in (pooled, apart):
+            p.observe_draft(1, 0.001, levels=2, nodes_forwarded=16, levels_s=0.018)
+    assert apart.chain_level_cost(1) == pytest.approx(0.001, rel=0.05)
+    assert apart.level_cost(8) == pytest.approx(0.009, rel=0.05)
+    for p in (pooled, apart):  # a batch of 8: eight tips against one 8-wide frontier
+        for _ in range(20):
+            p.observe_draft(8, 0.001, levels=2, nodes_forwarded=16, levels_s=0.004,
+                            one_wide=p is apart)
+    # Negative control: pooled, the batch of 8 tips reads as one 8-wide frontier.
+    assert pooled.level_cost(8) < 0.006
+    assert apart.level_cost(8) == pytest.approx(0.009, rel=0.05)
+    assert apart.chain_level_cost(8) == pytest.approx(0.002, rel=0.05)
+
+
 def test_a_drafting_step_pays_the_first_pass_an_off_step_skips():
     """Off skips the drafter entirely, so speculation must beat a plain step
     including the drafter's first pass over the verified tokens."""

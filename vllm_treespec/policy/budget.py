@@ -89,6 +89,9 @@ class AdaptiveBudget:
         self.probe_every = probe_every
         self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
         self.level_cost = LinearFit()         # seconds per drafting level vs B*width
+        # One-wide levels apart: a device may run them on another kernel (the
+        # CPU: stock EAGLE chain steps on the paged cache, see paged_drafts).
+        self.chain_level_cost = LinearFit()   # seconds per one-wide level vs B
         self.first_pass_cost = LinearFit()    # seconds of the drafter's first pass vs tokens
         # Seconds of a drafting step besides its first pass and levels, vs batch:
         # planning, the roots' draft log-probs and top-k, the selection, the
@@ -191,15 +194,17 @@ class AdaptiveBudget:
 
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
                       nodes_forwarded: int, levels_s: float, batch: int = 0,
-                      overhead_s: float = 0.0) -> None:
+                      overhead_s: float = 0.0, one_wide: bool = False) -> None:
         """A drafting step: its first pass, ``levels`` levels that forwarded
         ``nodes_forwarded`` nodes in all (batch x width, summed over levels), and
-        the rest of the step's drafting work for ``batch`` requests (if given)."""
+        the rest of the step's drafting work for ``batch`` requests (if given);
+        ``one_wide``: every level forwarded one node per request (a chain)."""
         self.first_pass_cost.add(first_pass_tokens, first_pass_s)
         if batch > 0:
             self.draft_overhead.add(batch, max(overhead_s, 0.0))
         if levels > 0:
-            self.level_cost.add(nodes_forwarded / levels, levels_s / levels)
+            fit = self.chain_level_cost if one_wide else self.level_cost
+            fit.add(nodes_forwarded / levels, levels_s / levels)
 
     def observe_acceptance(self, accepted: Sequence[int] | Outcome, depth_used: int,
                            predicted: float) -> None:
@@ -296,7 +301,9 @@ class AdaptiveBudget:
         # left out (no level ran to carry it).
         first = np.array([[self.first_pass_cost(batch * (1 + n)) or 0.0 for n in row]
                           for row in nodes])
-        levels = {w: self.level_cost(batch * w) or 0.0 for w in (1, self.K)}
+        wide, one = self.level_cost(batch * self.K), self.chain_level_cost(batch)
+        levels = {self.K: wide if wide is not None else one or 0.0,
+                  1: one if one is not None else self.level_cost(batch) or 0.0}
         per_level = np.array([[levels[self._tree_level_width(d)], levels[1]]
                               for d in range(1, D + 1)])
         draft = first + (self.draft_overhead(batch) or 0.0) + per_level * (depths - 1)[:, None]

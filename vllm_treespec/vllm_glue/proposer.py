@@ -231,7 +231,7 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
         # native kernel over the paged cache (see _chain_level).
         chain_levels = (self.paged_chain_levels and dynamic and width_cap == 1
                         and depth - 1 <= self.tree_cfg.num_nodes  # the scheduler's lookahead
-                        and max_prefix + depth - 1 < self.max_model_len)
+                        and max_prefix + depth - 2 < self.max_model_len)  # deepest tip
         t_levels = time.perf_counter()
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
@@ -302,7 +302,8 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
                     - check_s)
             self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
-                                      overhead_s=rest)
+                                      overhead_s=rest,
+                                      one_wide=width_cap == 1)
         return self._finish_step(drafts, t0)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
