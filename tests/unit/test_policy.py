@@ -262,7 +262,8 @@ def test_levels_are_one_wide_while_selections_keep_chains():
     for _ in range(10):
         p.observe_budget(3, 6.0, branching=True)
     assert p.level_width(3) == 8 and p.level_width(2) == 1
-    # The level cost is fitted per forwarded node: one-wide levels are costed as such.
+    # The level cost is fitted per forwarded node (one-wide levels reported as such
+    # go to their own fit, see the next test).
     for _ in range(20):
         p.observe_draft(1, 0.001, levels=2, nodes_forwarded=2, levels_s=0.004)
         p.observe_draft(1, 0.001, levels=2, nodes_forwarded=16, levels_s=0.018)
@@ -292,6 +293,17 @@ def test_one_wide_levels_are_costed_apart_from_wide_ones():
     assert pooled.level_cost(8) < 0.006
     assert apart.level_cost(8) == pytest.approx(0.009, rel=0.05)
     assert apart.chain_level_cost(8) == pytest.approx(0.002, rel=0.05)
+    # And pricing uses both: a depth-3 tree whose selections branch forwards wide
+    # levels (two of them), the chain of 3 one-wide ones.
+    for p in (pooled, apart):
+        for _ in range(10):
+            p.observe_budget(3, 6.0, branching=True)
+    assert apart.level_width(3) == 8
+    assert apart.predicted_ratio(1, 3) < pooled.predicted_ratio(1, 3) - 0.05  # pooled:
+    # the wide levels looked as cheap as the tips the batch of 8 forwarded
+    chain8 = apart.predicted_ratio(8, 3, chain=True)  # 8 tips a level: 2 ms, not 9
+    apart.chain_level_cost = apart.level_cost
+    assert chain8 > apart.predicted_ratio(8, 3, chain=True) + 0.01
 
 
 def test_a_drafting_step_pays_the_first_pass_an_off_step_skips():
@@ -443,7 +455,7 @@ def test_deeper_estimates_move_with_depth_one():
     conditionals (here stock k=2's: 0.13 / 0.39 = 1/3), deeper estimates follow
     depth 1, and the plan deepens with it."""
     p = policy(base=0.040, per_token=0.0005, accept=(0.39, 0.13, 0.04, 0.0, 0.0, 0.0))
-    p.level_cost.add(1, 0.004)  # a one-wide drafting level: 4 ms
+    p.chain_level_cost.add(1, 0.004)  # a one-wide drafting level: 4 ms
     assert p.plan_depth(1) == 1
     for _ in range(100):  # depth-1 trees only, now almost always accepted
         p.observe_acceptance([1], depth_used=1, predicted=0.9)
@@ -453,7 +465,7 @@ def test_deeper_estimates_move_with_depth_one():
     # Negative control: depth 2 kept at its old absolute value, depth 1 stays best.
     frozen = policy(base=0.040, per_token=0.0005, accept=(0.92, 0.13, 0.04, 0.0, 0.0, 0.0))
     frozen.accepted_at = [0.92, 0.13, 0.04, 0.0, 0.0, 0.0]
-    frozen.level_cost.add(1, 0.004)
+    frozen.chain_level_cost.add(1, 0.004)
     assert frozen.plan_depth(1) == 1
 
 
@@ -463,7 +475,7 @@ def test_the_greedy_chain_is_priced_apart_and_verified_whole():
     depth 1 or off, while the chain of 2 beat every plan. Priced apart, the
     chain of 2 wins; chain mode drafts one wide and verifies the whole chain."""
     p = policy(base=0.038, per_token=0.0005, accept=(0.55, 0.3, 0.1, 0.03, 0.01, 0.0))
-    p.level_cost.add(1, 0.002)
+    p.chain_level_cost.add(1, 0.002)
     p.level_cost.add(8, 0.008)
     for _ in range(40):
         p.observe_step(5, 0.038 + 0.0005 * 5 + 0.008, branching=True)

@@ -269,7 +269,7 @@ class AdaptiveBudget:
         return 1 if self.chain_mode else self._tree_level_width(d)
 
     def _tree_level_width(self, d: int) -> int:
-        if d < 1:
+        if d < 1 or not self.chains:  # a static topology forwards its levels whole
             return self.K
         return 1 if self.branch_at[min(d, self.D) - 1] < 0.5 else self.K
 
@@ -302,8 +302,11 @@ class AdaptiveBudget:
         first = np.array([[self.first_pass_cost(batch * (1 + n)) or 0.0 for n in row]
                           for row in nodes])
         wide, one = self.level_cost(batch * self.K), self.chain_level_cost(batch)
-        levels = {self.K: wide if wide is not None else one or 0.0,
-                  1: one if one is not None else self.level_cost(batch) or 0.0}
+        if wide is None:  # no wide level seen yet: K tips' worth of chain levels
+            wide = self.chain_level_cost(batch * self.K)
+        if one is None:
+            one = self.level_cost(batch)
+        levels = {self.K: wide or 0.0, 1: one or 0.0}
         per_level = np.array([[levels[self._tree_level_width(d)], levels[1]]
                               for d in range(1, D + 1)])
         draft = first + (self.draft_overhead(batch) or 0.0) + per_level * (depths - 1)[:, None]

@@ -303,7 +303,7 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
             self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest,
-                                      one_wide=width_cap == 1)
+                                      one_wide=dynamic and width_cap == 1)
         return self._finish_step(drafts, t0)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
