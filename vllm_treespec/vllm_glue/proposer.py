@@ -235,47 +235,43 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
         t_levels = time.perf_counter()
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
-            if chain_levels:
-                nodes_forwarded += batch_size
-                last_hidden, hidden = self._chain_level(block_table, prefix_len, level,
-                                                        parent_hidden)
-                logprobs = self._draft_vocab_logprobs(last_hidden).view(batch_size, 1, -1)
-                parent_hidden = hidden.view(batch_size, 1, -1)
-                level = builder.next_level(logprobs)
-                continue
             F = level.tokens.shape[1]
             if dynamic and width_cap > 1:  # only frontier nodes whose children can be kept
                 F = min(F, width_cap, builder.selectable_width())
             elif dynamic:
                 F = min(F, width_cap)
-            tokens, slot = level.tokens[:, :F], level.parent_slot[:, :F]   # [B, F]
             nodes_forwarded += batch_size * F
-            h_in = torch.gather(parent_hidden, 1,
-                                slot.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
-            # Each node sees its parent's side entries plus its own new column.
-            inherited = torch.gather(parent_mask, 1,
-                                     slot.unsqueeze(-1).expand(-1, -1, parent_mask.shape[-1]))
-            own = torch.eye(F, dtype=torch.bool, device=self.device).expand(batch_size, F, F)
-            side_mask = torch.cat([inherited, own], dim=2)
-            positions = (prefix_len + (level.depth - 1)).clamp(max=self.max_model_len - 1)
-            md = DraftTreeLevelMetadata(
-                batch_size=batch_size, width=F, side_offset=side_offset,
-                side_capacity=side_capacity, prefix_len=prefix_len, max_prefix_len=max_prefix,
-                block_table=block_table, block_size=self.block_size, side_mask=side_mask,
-                scratch=scratch)
-            n = batch_size * F
-            with set_forward_context({name: md for name in self._draft_attn_layer_names},
-                                     self.vllm_config, num_tokens=n,
-                                     cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                     slot_mapping={}):
-                last_hidden, hidden = self.model(
-                    input_ids=tokens.reshape(n).int(),
-                    positions=positions.repeat_interleave(F),  # contiguous: kernels index it raw
-                    hidden_states=h_in.reshape(n, -1))
+            if chain_levels:  # F == 1
+                last_hidden, hidden = self._chain_level(block_table, prefix_len, level,
+                                                        parent_hidden)
+            else:
+                tokens, slot = level.tokens[:, :F], level.parent_slot[:, :F]   # [B, F]
+                h_in = torch.gather(parent_hidden, 1,
+                                    slot.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
+                # Each node sees its parent's side entries plus its own new column.
+                inherited = torch.gather(
+                    parent_mask, 1, slot.unsqueeze(-1).expand(-1, -1, parent_mask.shape[-1]))
+                own = torch.eye(F, dtype=torch.bool, device=self.device).expand(batch_size, F, F)
+                side_mask = torch.cat([inherited, own], dim=2)
+                positions = (prefix_len + (level.depth - 1)).clamp(max=self.max_model_len - 1)
+                md = DraftTreeLevelMetadata(
+                    batch_size=batch_size, width=F, side_offset=side_offset,
+                    side_capacity=side_capacity, prefix_len=prefix_len,
+                    max_prefix_len=max_prefix, block_table=block_table,
+                    block_size=self.block_size, side_mask=side_mask, scratch=scratch)
+                n = batch_size * F
+                with set_forward_context({name: md for name in self._draft_attn_layer_names},
+                                         self.vllm_config, num_tokens=n,
+                                         cudagraph_runtime_mode=CUDAGraphMode.NONE,
+                                         slot_mapping={}):
+                    last_hidden, hidden = self.model(
+                        input_ids=tokens.reshape(n).int(),
+                        positions=positions.repeat_interleave(F),  # contiguous: indexed raw
+                        hidden_states=h_in.reshape(n, -1))
+                parent_mask = side_mask
+                side_offset += F
             logprobs = self._draft_vocab_logprobs(last_hidden).view(batch_size, F, -1)
             parent_hidden = hidden.view(batch_size, F, -1)
-            parent_mask = side_mask
-            side_offset += F
             level = builder.next_level(logprobs)
         levels_s = time.perf_counter() - t_levels
         budget, chain_only = None, False

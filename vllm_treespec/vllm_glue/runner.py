@@ -248,20 +248,23 @@ class TreeRunnerMixin(StepCostCalibration):
         total = int(self.query_start_loc.np[step.num_reqs])
         chain_only = tree.is_chain
         self._step_branching = not chain_only
-        if chain_only and not self.chains_need_tree_metadata:  # the native kernel is exact
-            return TreeVerifyRows(rows=rows, meta=None, covers_batch=rows.numel() == total,
-                                  chain_only=True, spare_blocks=self.tree_spare_blocks)
+        # Chains alone: the native kernel is exact, on a device that reads nothing more.
+        meta = (None if chain_only and not self.chains_need_tree_metadata
+                else self._tree_metadata(step))
+        return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
+                              chain_only=chain_only, spare_blocks=self.tree_spare_blocks)
+
+    def _tree_metadata(self, step: VerifyStep) -> PagedTreeAttentionMetadata:
+        tree = step.tree
         q_lens = tree.num_nodes + 1
         qsl = torch.zeros(tree.batch_size + 1, dtype=torch.int32, device=self.device)
         qsl[1:] = torch.cumsum(q_lens, 0)
         bt = self.input_batch.block_table[0]
-        meta = PagedTreeAttentionMetadata(
+        return PagedTreeAttentionMetadata(
             query_start_loc=qsl, seq_lens=(step.prefix_len + q_lens).int(),
             block_table=bt.get_device_tensor(step.num_reqs)[step.req_index],
             block_size=bt.block_size, tree_mask=tree_mask(tree),
             max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
-        return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
-                              chain_only=chain_only, spare_blocks=self.tree_spare_blocks)
 
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
