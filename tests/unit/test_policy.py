@@ -515,25 +515,33 @@ def test_trees_win_where_branching_is_free_and_siblings_accept():
     assert p.plan_depth(1) >= 3 and not p.chain_mode
 
 
-def test_chains_cut_short_by_the_selection_are_not_rejections():
-    """Tree mode keeps depth-2 drafts on 1 tree in 4; the target accepts 0.9 of
-    depth 1 and 0.8 of depth 2 beyond it. For the chain verified whole, a chain
-    the selection cut says nothing about depth 2 (read as rejections, the cuts
-    would put its conditional at 0.2); tree mode is priced as what its
-    selection keeps, so for trees the cuts count."""
-    def run(outcomes: bool):
+def test_chain_depths_are_learned_from_chains_verified_whole():
+    """Tree mode keeps a chain's second node only where it looks sure (1 step in
+    4): there the target accepts 0.8 of depth 2 given depth 1, elsewhere 0.1.
+    Verified whole, the chain accepts 0.25 * 0.8 + 0.75 * 0.1 = 0.275 at depth 2
+    given depth 1; learned from the chains the selection let through it would
+    be priced at 0.8. Every 4th step verifies the chain whole (chain mode); the
+    estimate must come from those. Tree mode is priced as what its selection
+    keeps, so for trees the cuts count as rejections."""
+    def run(learn_from_cuts: bool):
         p = AdaptiveBudget(num_nodes=8, depth=2, width=4, probe_every=0)
         rng = random.Random(0)
-        for i in range(600):
-            cut = i % 4 != 0  # the selection kept one node
+        chain = torch.ones(1, 4, dtype=torch.bool)
+        for i in range(1200):
+            p.chain_mode = whole = i % 4 == 0
+            p.select(torch.zeros(1, 4), 4, chain)
+            if learn_from_cuts:
+                p._chain_whole = True  # as if every tree-mode chain were unbiased
+            sure = rng.random() < 0.25
             a = int(rng.random() < 0.9)
-            a += a and not cut and int(rng.random() < 0.8)
+            cut = not (whole or sure)  # the selection kept one node
+            a += a and not cut and int(rng.random() < (0.8 if sure else 0.1))
             tip = a == 2 or (a == 1 and cut)
-            p.observe_acceptance(Outcome([a], [a], [tip]) if outcomes else [a],
-                                 depth_used=2, predicted=0.5)
+            p.observe_acceptance(Outcome([a], [a], [tip]), depth_used=2, predicted=0.5)
         return (p.chain_accepted_at[1] / p.chain_accepted_at[0],
-                p.accepted_at[1] / p.accepted_at[0])
-    chain, tree = run(outcomes=True)
-    assert chain == pytest.approx(0.8, abs=0.1)
+                p.accepted_at[1] / p.accepted_at[0], p.chain_accepted_at[0])
+    chain, tree, first = run(learn_from_cuts=False)
+    assert chain == pytest.approx(0.275, abs=0.1)
+    assert first == pytest.approx(0.9, abs=0.06)  # depth 1: every step teaches it
     assert tree < 0.35
-    assert run(outcomes=False)[0] < 0.35  # control: the cuts read as rejections
+    assert run(learn_from_cuts=True)[0] > 0.5  # control: the confident chains decide
