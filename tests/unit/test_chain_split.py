@@ -71,6 +71,9 @@ def apply_reference(step: TreeStep, plan, k, v):
         v[dst: dst + count] = v[src]
     if plan.write_rows.numel():
         nk, nv = step.node_kv(plan.write_rows)
+        # read_slots hold the same K/V (the backend copies cache to cache from there).
+        rblk, roff = plan.read_slots // step.bs, plan.read_slots % step.bs
+        assert torch.equal(k[rblk, roff], nk) and torch.equal(v[rblk, roff], nv)
         blk, off = plan.write_slots // step.bs, plan.write_slots % step.bs
         k[blk, off] = nk
         v[blk, off] = nv
@@ -155,9 +158,10 @@ def test_vllm_cpu_kernel_on_chains_equals_tree_attention(seed):
     for src, dst, count in plan.copies:
         cache[dst: dst + count] = cache[src]
     key_cache, value_cache = cache.view(cache.shape[0], step.KVH, 2 * step.bs, Dh).chunk(2, 2)
-    if plan.write_rows.numel():
-        nk, nv = step.node_kv(plan.write_rows)
-        ops.cpu_attn_reshape_and_cache(nk, nv, key_cache, value_cache, plan.write_slots, isa)
+    if plan.write_rows.numel():  # as the backend does: slot elements, cache to cache
+        flat = cache.view(-1)
+        flat.index_copy_(0, cpu_layout.slot_elements(cache, plan.write_slots),
+                         flat.index_select(0, cpu_layout.slot_elements(cache, plan.read_slots)))
     sched = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=plan.num_chains, num_heads=step.H, num_kv_heads=step.KVH, head_dim=Dh,
         seq_lens=plan.seq_lens, dtype=torch.float32, query_start_loc=plan.query_start_loc,
@@ -170,3 +174,24 @@ def test_vllm_cpu_kernel_on_chains_equals_tree_attention(seed):
         causal=True, alibi_slopes=None, sliding_window=-1, block_table=plan.block_table,
         softcap=0.0, scheduler_metadata=sched, s_aux=None)
     torch.testing.assert_close(out, expect[plan.order], rtol=1e-4, atol=1e-5)
+
+
+def test_slot_elements_address_what_the_cpu_cache_writer_wrote():
+    """``slot_elements`` reads back exactly the K/V vLLM's CPU kernel stored at
+    those slots (K transposed per block and head, V after it)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    nb, kvh, bs, dh = 3, 2, 32, 32
+    cache = torch.zeros(nb, kvh, bs, 2 * dh)
+    key_cache, value_cache = cache.view(nb, kvh, 2 * bs, dh).chunk(2, 2)
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.tensor([0, 5, 37, 94])
+    k = torch.randn(4, kvh, dh, generator=gen)
+    v = torch.randn(4, kvh, dh, generator=gen)
+    isa = _get_attn_isa(torch.float32, bs, dh, "auto")
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, isa)
+    got = cache.view(-1)[cpu_layout.slot_elements(cache, slots)].view(4, kvh, 2, dh)
+    assert torch.equal(got[:, :, 0], k) and torch.equal(got[:, :, 1], v)
+    wrong = cache.view(-1)[cpu_layout.slot_elements(cache, slots + 1)].view(4, kvh, 2, dh)
+    assert not torch.equal(wrong[:, :, 0], k)  # control: a slot off reads other data

@@ -38,6 +38,9 @@ class ChainSplitPlan:
     copies:       (src, dst, count): physical block src (a prefix's tail) copied to
                   scratch blocks dst .. dst + count - 1
     write_rows:   [W] packed tree rows whose K/V go to ``write_slots`` [W]
+    read_slots:   [W] where those rows' K/V already are: their linear slots in
+                  the request's own blocks (a backend that wrote the step's K/V
+                  there first copies cache to cache instead of re-writing them)
     """
 
     order: torch.Tensor
@@ -48,6 +51,7 @@ class ChainSplitPlan:
     copies: list[tuple[int, int, int]]
     write_rows: torch.Tensor
     write_slots: torch.Tensor
+    read_slots: torch.Tensor
     scratch: dict = dataclasses.field(default_factory=dict)  # kernel metadata, per step
 
     @property
@@ -86,7 +90,7 @@ def split_into_chains(tree_mask: torch.Tensor, query_start_loc: torch.Tensor,
     free = sorted(scratch_blocks, reverse=True)  # popped in increasing order
     order, q_lens, lens, rows_bt = [], [], [], []
     copies: list[list[int]] = []
-    write_rows, write_slots = [], []
+    write_rows, write_slots, read_slots = [], [], []
     for b in range(len(seq)):
         n = qsl[b + 1] - qsl[b]
         if n == 0:
@@ -113,6 +117,7 @@ def split_into_chains(tree_mask: torch.Tensor, query_start_loc: torch.Tensor,
                 for j, node in enumerate(path):
                     write_rows.append(qsl[b] + node)
                     write_slots.append(table[(P + j) // bs] * bs + (P + j) % bs)
+                    read_slots.append(tables[b][(P + node) // bs] * bs + (P + node) % bs)
             order += [qsl[b] + node for node in chain]
             q_lens.append(len(chain))
             lens.append(P + d + 1)
@@ -130,4 +135,5 @@ def split_into_chains(tree_mask: torch.Tensor, query_start_loc: torch.Tensor,
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_table=bt.to(dev),
         max_seq_len=max(lens),
         copies=[tuple(c) for c in copies],
-        write_rows=as_long(write_rows), write_slots=as_long(write_slots))
+        write_rows=as_long(write_rows), write_slots=as_long(write_slots),
+        read_slots=as_long(read_slots))

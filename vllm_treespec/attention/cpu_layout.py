@@ -31,6 +31,24 @@ def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torc
     return k, v
 
 
+def slot_elements(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Flat indices into ``kv_cache.view(-1)`` of every element a slot holds
+    (K and V of every KV head), [len(slots) * KVH * 2 * Dh], slot-major.
+
+    With these, whole slots move cache to cache in two indexing ops per layer
+    (``flat.index_copy_(0, dst, flat.index_select(0, src))``), however many there
+    are; the layout (K transposed per block and head) is resolved once here."""
+    _, kvh, bs, two_dh = kv_cache.shape
+    dh = two_dh // 2
+    blk, off = (slots // bs).view(-1, 1, 1), (slots % bs).view(-1, 1, 1)
+    head = torch.arange(kvh, device=slots.device).view(1, -1, 1)
+    d = torch.arange(dh, device=slots.device).view(1, 1, -1)
+    base = (blk * kvh + head) * (2 * bs * dh)
+    k = base + d * bs + off            # K^T: [Dh, block_size] per (block, head)
+    v = base + bs * dh + off * dh + d  # V: [block_size, Dh]
+    return torch.stack([k, v], 2).reshape(-1)
+
+
 def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor,
                   head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of a CPU cache -> dense K, V as [B, KVH, nblk*block_size, Dh].

@@ -6,23 +6,26 @@ the drafter's first pass see an ordinary accepted chain."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from vllm_treespec.tree import apply_compaction, compaction_plan
+from vllm_treespec.tree import compaction_plan
 
 
-def commit_accepted(step, acc, block_table, kv_layers, input_ids: torch.Tensor,
-                    positions: torch.Tensor) -> None:
+def commit_accepted(step, acc, block_table,
+                    move_kv: Callable[[torch.Tensor, torch.Tensor], None],
+                    input_ids: torch.Tensor, positions: torch.Tensor) -> None:
     """``step``: the ``VerifyStep``; ``acc``: its ``Acceptance``; ``block_table``:
-    vLLM's block table of the step's KV-cache group; ``kv_layers``: per layer,
-    the cache views whose dim 0 is the block and dim 1 the slot in it."""
+    vLLM's block table of the step's KV-cache group; ``move_kv(src, dst)``: copies
+    the KV of every layer from physical (block, offset) pairs ``src`` [N, 2] to
+    ``dst`` (the device's layout; all sources read before any is written)."""
+    if step.tree.is_chain:
+        return  # accepted drafts are a prefix of their chain: in place, positions linear
     plan = compaction_plan(acc)
     if bool(plan.needs_copy.any()):  # else every accepted node already sits in its slot
         rows = block_table.get_device_tensor(step.num_reqs)[step.req_index]
-        src, dst = plan.slots(step.prefix_len, rows, block_table.block_size)
-        for views in kv_layers:
-            for view in views:
-                apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
+        move_kv(*plan.slots(step.prefix_len, rows, block_table.block_size))
         moves = plan.src != plan.dst
         tok_src = (step.token_start.unsqueeze(1) + plan.src)[moves]
         tok_dst = (step.token_start.unsqueeze(1) + plan.dst)[moves]

@@ -103,25 +103,23 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def _verify_chains(self, layer, query, key, value, kv_cache, tree: TreeVerifyRows,
                        chains: ChainSplitPlan, output) -> None:
         """Tree rows as causal chain requests of the native kernel (see chain_split)."""
-    
         step = chains.scratch.get(self.num_heads)
         if step is None:  # once per step: the same for every layer of this shape
-            step = chains.scratch[self.num_heads] = self._chain_step(tree, chains, query.dtype)
-        rows, span, write_src, scheduler_metadata = step
-        nb, kvh, bs, _ = kv_cache.shape
+            step = chains.scratch[self.num_heads] = self._chain_step(tree, chains, kv_cache,
+                                                                     query.dtype)
+        rows, span, read, write, scheduler_metadata = step
         for src, dst, count in chains.copies:  # the prefix's tail, into private blocks
             kv_cache[dst: dst + count].copy_(kv_cache[src].expand((count,) + kv_cache.shape[1:]))
-        key_cache, value_cache = kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, dim=2)
-        if write_src is not None:  # the path's K/V at its logical offsets
-            ops.cpu_attn_reshape_and_cache(key[write_src], value[write_src], key_cache,
-                                           value_cache, chains.write_slots, self.isa,
-                                           k_scale=layer._k_scale_float,
-                                           v_scale=layer._v_scale_float,
-                                           kv_cache_dtype=self.kv_cache_dtype)
+        if read is not None:
+            # The path's K/V at their logical offsets, cache to cache: the stock
+            # KV update already put every row's K/V at its linear slot.
+            flat = kv_cache.view(-1)
+            flat.index_copy_(0, write, flat.index_select(0, read))
+        key_cache, value_cache = self._split_cache(kv_cache)
         if span is not None:  # chain order is the rows' own order: no gather, no scatter
             q, out = query[span[0]:span[1]], output[span[0]:span[1]]
         else:
-            q = query[rows]
+            q = query.index_select(0, rows)
             out = torch.empty_like(q)
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out,
@@ -132,24 +130,36 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
         if span is None:
-            output[rows] = out.reshape((out.shape[0],) + output.shape[1:]).to(output.dtype)
+            output.index_copy_(0, rows, out.view((out.shape[0],) + output.shape[1:])
+                               .to(output.dtype))
 
-    def _chain_step(self, tree: TreeVerifyRows, chains: ChainSplitPlan, dtype):
+    def _split_cache(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel's K and V views of this layer's cache (made once: same tensor
+        every step)."""
+        cached = getattr(self, "_kv_split", None)
+        if cached is None or cached[0] is not kv_cache:
+            nb, kvh, bs, _ = kv_cache.shape
+            cached = self._kv_split = (kv_cache, *kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, 2))
+        return cached[1], cached[2]
+
+    def _chain_step(self, tree: TreeVerifyRows, chains: ChainSplitPlan, kv_cache, dtype):
         """Per-step inputs of ``_verify_chains``: query rows in chain order (and the
-        span they form when contiguous and in order), the flat rows whose K/V are
-        written to scratch, and the kernel's scheduler metadata."""
-    
+        span they form when contiguous and in order), the flat cache elements the
+        path's K/V are copied from and to, and the kernel's scheduler metadata."""
         rows = tree.rows[chains.order]
         lo, n = int(rows[0]), rows.numel()
         span = (lo, lo + n) if torch.equal(rows, torch.arange(lo, lo + n)) else None
-        write_src = tree.rows[chains.write_rows] if chains.write_rows.numel() else None
+        read = write = None
+        if chains.write_rows.numel():
+            read = cpu_layout.slot_elements(kv_cache, chains.read_slots)
+            write = cpu_layout.slot_elements(kv_cache, chains.write_slots)
         metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=chains.num_chains, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=chains.seq_lens,
             dtype=dtype, query_start_loc=chains.query_start_loc, causal=True,
             sliding_window_size=-1, isa=self.isa, enable_kv_split=False,
             kv_cache_dtype=self.kv_cache_dtype)
-        return rows, span, write_src, metadata
+        return rows, span, read, write, metadata
 
     def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
         B, F, D = md.batch_size, md.width, self.head_size

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from vllm_treespec.attention.cpu_layout import kv_views
+from vllm_treespec.attention.cpu_layout import kv_views, slot_elements
 from vllm_treespec.vllm_glue import cpu_linear
 from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
 
@@ -33,6 +33,24 @@ class _CPUDevice:
 
     def _kv_views(self, cache: torch.Tensor):
         return kv_views(cache, cache.shape[-1] // 2)
+
+    def _move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Two indexing ops a layer on the flat cache (K and V of every head at
+        once; per view, K's transposed layout made it ten)."""
+        elements: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        seen = set()
+        for cache in self.kv_caches:
+            if cache is None or cache.data_ptr() in seen:
+                continue
+            seen.add(cache.data_ptr())
+            shape = tuple(cache.shape)
+            if shape not in elements:
+                bs = shape[2]
+                elements[shape] = (slot_elements(cache, src[:, 0] * bs + src[:, 1]),
+                                   slot_elements(cache, dst[:, 0] * bs + dst[:, 1]))
+            read, write = elements[shape]
+            flat = cache.view(-1)
+            flat.index_copy_(0, write, flat.index_select(0, read))
 
     def _tree_attention_backend(self) -> type:
         from vllm_treespec.vllm_glue.cpu_attention import TreeCPUAttentionBackend

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from vllm_treespec.policy import AdaptiveBudget
-from vllm_treespec.tree import Outcome, TreeBatch, tree_mask
+from vllm_treespec.tree import Outcome, TreeBatch, apply_compaction, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata
 from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
@@ -184,10 +184,11 @@ class TreeRunnerMixin(StepCostCalibration):
                           logit_start=torch.from_numpy(logit_start).to(dev),
                           num_reqs=num_reqs, predicted=sum(e[3] for e in entries),
                           depth=getattr(self.drafter, "last_depth", tree.max_depth))
-        # Depth-based rotary positions; the slot mapping above stays linear.
-        flat = step.token_start.unsqueeze(1) + tree.node_index
-        pos = step.prefix_len.unsqueeze(1) + tree.depth
-        self.positions[flat[tree.valid]] = pos[tree.valid]
+        if not tree.is_chain:  # a chain's depths are its linear positions already
+            # Depth-based rotary positions; the slot mapping above stays linear.
+            flat = step.token_start.unsqueeze(1) + tree.node_index
+            pos = step.prefix_len.unsqueeze(1) + tree.depth
+            self.positions[flat[tree.valid]] = pos[tree.valid]
         return step
 
     def _replace_placeholder_drafts(self, entries: list, token_start: np.ndarray) -> None:
@@ -354,5 +355,11 @@ class TreeRunnerMixin(StepCostCalibration):
         return out
 
     def _commit(self, step: VerifyStep, acc) -> None:
-        commit_accepted(step, acc, self.input_batch.block_table[0], self._kv_layer_views(),
+        commit_accepted(step, acc, self.input_batch.block_table[0], self._move_kv,
                         self.input_ids.gpu, self.positions)
+
+    def _move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV of (block, offset) pairs ``src`` [N, 2] copied to ``dst``, every layer."""
+        for views in self._kv_layer_views():
+            for view in views:
+                apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
