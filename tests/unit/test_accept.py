@@ -64,6 +64,28 @@ def test_greedy_picks_the_longest_matching_path(tree, seed):
         assert (acc.tokens[b, a + 1:] == -1).all()
 
 
+@given(st.integers(0, 2**31))
+def test_chain_fast_paths_equal_the_tree_paths(seed):
+    """Chains take a shorter route through greedy acceptance and ``Outcome.of``;
+    both must say what the general tree code says (padding included)."""
+    import dataclasses
+
+    from vllm_treespec.tree.accept import _greedy_accept_trees
+
+    rng = random.Random(seed)
+    tree = random_tree_batch(rng, rng.randint(1, 4), rng.randint(1, 6), vocab=3,
+                             max_children=1)
+    assert tree.is_chain
+    argmax = torch.randint(0, 3, (tree.batch_size, tree.tree_size),
+                           generator=torch.Generator().manual_seed(seed))
+    fast, general = greedy_accept(tree, argmax), _greedy_accept_trees(tree, argmax)
+    for field in ("path", "num_accepted", "tokens"):
+        assert torch.equal(getattr(fast, field), getattr(general, field)), field
+    as_tree = dataclasses.replace(tree)
+    as_tree.__dict__["is_chain"] = False  # take Outcome.of's general route
+    assert Outcome.of(tree, fast) == Outcome.of(as_tree, general)
+
+
 @given(tree_batches(max_nodes=12, vocab=3, max_children=3), st.integers(0, 2**31))
 def test_outcome_reads_the_greedy_chain_and_where_the_tree_stopped(tree, seed):
     """Checked against a walk: the greedy chain follows first children (builders

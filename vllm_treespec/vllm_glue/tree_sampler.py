@@ -206,20 +206,22 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
                       seeds: dict[int, int]) -> tuple[SamplerOutput, Acceptance]:
     num_reqs = step.num_reqs
     dev = logits.device
-    num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
-    first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
     # 1. vLLM's sampler on one row per request: the output of requests without a
     #    tree, and the logprobs layout. Tree requests' rows are overwritten below,
     #    so a greedy batch of trees only (the common batch-1 step) skips it.
     skip_base = (step.tree.batch_size == num_reqs and md.all_greedy
                  and md.max_num_logprobs is None)
-    base = None if skip_base else sampler(logits=logits[first_rows], sampling_metadata=md)
-    # 2. Tree requests: node distributions and acceptance.
     if skip_base and md.allowed_token_ids_mask is None and md.no_penalties:
         # Greedy and nothing to process: the argmax of the raw rows, without
         # copying every node's logits (the batch-1 step's common case).
         return _output(num_reqs, None, step,
                        greedy_accept(step.tree, logits.argmax(-1)[_node_rows(step)]))
+    base = None
+    if not skip_base:
+        num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
+        first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
+        base = sampler(logits=logits[first_rows], sampling_metadata=md)
+    # 2. Tree requests: node distributions and acceptance.
     processed = processed_node_logits(logits, step, md)
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
         else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
@@ -241,6 +243,9 @@ def _output(num_reqs: int, base, step: VerifyStep, acc: Acceptance,
             logprobs: LogprobsTensors | None = None) -> tuple[SamplerOutput, Acceptance]:
     """[num_reqs, width] emitted tokens: tree requests' from ``acc``, the others'
     from vLLM's sampler (``base``)."""
+    if base is None and step.tree.batch_size == num_reqs:  # every row a tree, in order
+        return SamplerOutput(sampled_token_ids=acc.tokens.to(torch.int32),
+                             logprobs_tensors=logprobs), acc
     width = acc.tokens.shape[1]
     out = torch.full((num_reqs, width), PAD_TOKEN_ID, dtype=torch.int32,
                      device=acc.tokens.device)
