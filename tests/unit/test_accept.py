@@ -398,3 +398,27 @@ def test_plan_is_empty_when_the_path_is_contiguous():
     assert int(acc.num_accepted[0]) == 3 and not bool(plan.needs_copy[0])
     src, dst = plan.slots(torch.tensor([5]), torch.arange(4).view(1, 4), 4)
     assert src.numel() == 0 and dst.numel() == 0
+
+
+def test_cpu_kv_move_equals_compaction_of_each_view():
+    """The CPU runner moves K and V of every head in two ops a layer on the flat
+    cache; that must equal ``apply_compaction`` on each layer's K and V views, with
+    a cache shared by two layers moved once (a destination here is also a source,
+    so moving it twice would differ)."""
+    pytest.importorskip("vllm")
+    from vllm_treespec.attention.cpu_layout import kv_views
+    from vllm_treespec.vllm_glue.cpu_runner import _CPUDevice
+
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(4, 2, 8, 2 * 4, generator=gen) for _ in range(3)]
+    src = torch.tensor([[1, 3], [1, 0], [0, 7]])
+    dst = torch.tensor([[1, 0], [1, 1], [3, 5]])
+    expect = [c.clone() for c in caches]
+    for cache in expect:
+        for view in kv_views(cache, 4):
+            apply_compaction(view, src, dst, block_dim=0, slot_dim=1)
+    runner = _CPUDevice.__new__(_CPUDevice)
+    runner.kv_caches = caches + [caches[0], None]
+    runner._move_kv(src, dst)
+    for got, want in zip(caches, expect):
+        assert torch.equal(got, want)

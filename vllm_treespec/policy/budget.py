@@ -388,8 +388,7 @@ class AdaptiveBudget:
         ``chain_only``).
         """
         B = scores.shape[0]
-        self._verifying_chain = self.chain_mode
-        self._chain_whole = self.chain_mode or self.probing
+        self._verifying_chain = self._chain_whole = self.chain_mode
         dev = scores.device
         if self.chain_mode:  # as priced: the chain, whole
             depth = min(self.last_depth, max_nodes)
@@ -412,6 +411,7 @@ class AdaptiveBudget:
             # a drafter that was unlucky on its first requests) could never be
             # corrected, and speculation would stay off for good.
             depth = min(self.last_depth, max_nodes)
+            self._chain_whole = True
             return torch.from_numpy(np.maximum(chain_pick[0], depth)).to(dev), True
         pick, chain_only = (chain_pick, True) if chain_pick[1] >= tree[1] else (tree, False)
         return torch.from_numpy(pick[0]).to(dev), chain_only
