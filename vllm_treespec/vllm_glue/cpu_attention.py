@@ -90,7 +90,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                     meta.block_size, tree.spare_blocks) if tree.spare_blocks else None
             chains = tree.scratch["chains"]
             if chains is not None:
-                self._verify_chains(layer, query, key, value, kv_cache, tree, chains, output)
+                self._verify_chains(layer, query, kv_cache, tree, chains, output)
                 return output
             plan = tree.scratch.get("cpu_plan")
             if plan is None:  # built by the first layer, reused by the others
@@ -100,7 +100,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             output[tree.rows] = out.reshape((out.shape[0],) + output.shape[1:]).to(output.dtype)
         return output
 
-    def _verify_chains(self, layer, query, key, value, kv_cache, tree: TreeVerifyRows,
+    def _verify_chains(self, layer, query, kv_cache, tree: TreeVerifyRows,
                        chains: ChainSplitPlan, output) -> None:
         """Tree rows as causal chain requests of the native kernel (see chain_split)."""
         step = chains.scratch.get(self.num_heads)
