@@ -119,9 +119,12 @@ def dump_failure(error: Exception, payload: dict[str, Any], directory: str | Non
 
 
 class StatsFile:
-    """Throttled atomic writes of cumulative counters for the frontend."""
+    """Throttled atomic writes of cumulative counters for the frontend.
 
-    def __init__(self, path: str | None, min_interval_s: float = 0.25):
+    Once a second: a write costs ~0.7 ms of the engine's time on a 2-core CPU
+    (~0.3 % of it at four a second), and Prometheus scrapes far less often."""
+
+    def __init__(self, path: str | None, min_interval_s: float = 1.0):
         self.path = Path(path) if path else None
         self.min_interval_s = min_interval_s
         self._last = 0.0
@@ -139,6 +142,16 @@ class StatsFile:
             write_json_atomic(self.path, totals())
         except OSError as e:  # metrics must never break serving
             logger.debug("eagle3_tree: could not publish stats: %s", e)
+
+    @staticmethod
+    def stamp(path: str | None) -> tuple[int, int, int] | None:
+        """Identity of the file's current version (each write replaces the file),
+        or None if there is none: a reader parses only what changed."""
+        try:
+            st = os.stat(path) if path else None
+        except OSError:
+            return None
+        return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
 
     @staticmethod
     def read(path: str | None) -> dict[str, Any] | None:

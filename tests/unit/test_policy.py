@@ -5,6 +5,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vllm_treespec.policy import AdaptiveBudget, LinearFit, StepCostTable
 from vllm_treespec.tree import Outcome
@@ -46,6 +48,29 @@ def test_step_cost_table_interpolates_extrapolates_and_learns():
     assert table(16) < 1.13 * before
     table.add(1000, 1.0)  # outside: a new knot
     assert table(1000) == pytest.approx(1.0)
+
+
+@given(st.lists(st.tuples(st.integers(1, 512), st.floats(1e-4, 1.0)), min_size=1, max_size=12),
+       st.lists(st.floats(0.0, 1024.0), min_size=1, max_size=20))
+def test_step_cost_of_one_n_equals_the_vectorised_costs(knots, queries):
+    """The scalar lookup (plain Python, read several times a step) is the
+    vectorised table's value, inside the knots, at them and beyond either end."""
+    table = StepCostTable()
+    for n, t in knots:
+        table.set_knot(n, t)
+    expected = table.costs(np.array(queries))
+    assert [table(q) for q in queries] == pytest.approx(expected.tolist(), rel=1e-9, abs=1e-12)
+
+
+def test_linear_fit_values_follow_every_sample():
+    """The fit is kept with the sums it was made from (no stale coefficients)."""
+    fit = LinearFit()
+    assert fit.values(np.array([1.0])) is None
+    fit.add(1, 0.010)
+    fit.add(3, 0.030)
+    assert fit.values(np.array([2.0, 4.0])).tolist() == pytest.approx([0.020, 0.040])
+    fit.add(5, 0.090)  # a steeper point moves the line at once
+    assert fit(5) > 0.050 and fit.values(np.array([5.0]))[0] == pytest.approx(fit(5))
 
 
 def table_value(n):

@@ -7,11 +7,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
 from vllm_treespec.tree import TreeBatch  # noqa: E402
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees  # noqa: E402
+from vllm_treespec.vllm_glue.tree_sampler import (  # noqa: E402
+    VerifyStep, row_argmax, sample_with_trees)
 
 V = 16
 
@@ -47,3 +50,13 @@ def test_greedy_fast_path_equals_the_processed_path(dtype):
     assert torch.equal(fast_acc.path, slow_acc.path)
     assert fast.sampled_token_ids.tolist() == [[1, 4, 11], [5, 12, -1]]
     assert fast_acc.num_accepted.tolist() == [2, 1]
+
+
+@given(st.lists(st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]),
+                min_size=12, max_size=12),
+       st.integers(1, 4))
+def test_row_argmax_equals_torch_argmax(values, rows):
+    """Ties (the first maximum), infinities and NaN (the maximum) as torch."""
+    x = torch.tensor(values * rows, dtype=torch.float32).view(rows, -1)
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert torch.equal(row_argmax(x.t().contiguous().t()), x.argmax(-1))  # strided: torch's

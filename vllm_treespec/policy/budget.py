@@ -312,8 +312,8 @@ class AdaptiveBudget:
         # first pass and its fixed work as well as its levels. Served traces
         # priced a depth-1 tree 5 ms under its cycle while the fixed work was
         # left out (no level ran to carry it).
-        first = np.array([[self.first_pass_cost(batch * (1 + n)) or 0.0 for n in row]
-                          for row in nodes])
+        first = self.first_pass_cost.values(batch * (1 + nodes))
+        first = 0.0 if first is None else first
         wide, one = self.level_cost(batch * self.K), self.chain_level_cost(batch)
         if wide is None:  # no wide level seen yet: K tips' worth of chain levels
             wide = self.chain_level_cost(batch * self.K)

@@ -15,6 +15,10 @@ class LinearFit:
 
     decay: float = 0.97
     sums: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
+    # The fit of ``sums``, made once per sample: the budget reads it a dozen
+    # times a step (on a cache-cold CPU each read costs microseconds).
+    _fit: tuple[float, float] | None = dataclasses.field(default=None, init=False,
+                                                         repr=False, compare=False)
 
     @staticmethod
     def _terms(x: float, y: float, w: float) -> list[float]:
@@ -22,8 +26,12 @@ class LinearFit:
 
     def add(self, x: float, y: float, weight: float = 1.0) -> None:
         self.sums = [self.decay * s + t for s, t in zip(self.sums, self._terms(x, y, weight))]
+        self._fit = self._solve()
 
     def coefficients(self) -> tuple[float, float] | None:
+        return self._fit if self._fit is not None else self._solve()
+
+    def _solve(self) -> tuple[float, float] | None:
         sw, sx, sy, sxx, sxy = self.sums
         if sw <= 0:
             return None
@@ -39,6 +47,11 @@ class LinearFit:
     def __call__(self, x: float) -> float | None:
         c = self.coefficients()
         return None if c is None else max(c[0] + c[1] * x, 1e-6)
+
+    def values(self, x: np.ndarray) -> np.ndarray | None:
+        """``self(x)`` for every element of ``x``."""
+        c = self.coefficients()
+        return None if c is None else np.maximum(c[0] + c[1] * np.asarray(x, np.float64), 1e-6)
 
 
 class StepCostTable:
@@ -95,5 +108,17 @@ class StepCostTable:
         return np.maximum(out, 1e-6)
 
     def __call__(self, n: float) -> float | None:
-        c = self.costs(np.array([n]))
-        return None if c is None else float(c[0])
+        """``costs`` of one N, in plain Python (several calls a step; numpy's
+        per-call overhead is most of the cost for one value)."""
+        ns, ts = self.n, self.t
+        if not ns:
+            return None
+        if n >= ns[-1]:
+            slope = (max((ts[-1] - ts[-2]) / (ns[-1] - ns[-2]), 0.0) if len(ns) > 1 else 0.0)
+            value = ts[-1] + slope * (n - ns[-1])
+        elif n <= ns[0]:
+            value = ts[0]
+        else:
+            i = bisect.bisect_right(ns, n)
+            value = ts[i - 1] + (n - ns[i - 1]) / (ns[i] - ns[i - 1]) * (ts[i] - ts[i - 1])
+        return max(value, 1e-6)

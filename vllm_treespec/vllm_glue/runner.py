@@ -345,12 +345,13 @@ class TreeRunnerMixin(StepCostCalibration):
                                      self.input_batch.sampling_metadata, step, seeds)
         t1 = time.perf_counter()
         self._commit(step, acc)
+        outcome = Outcome.of(step.tree, acc)
         if self.tree_policy is not None:
-            self.tree_policy.observe_acceptance(Outcome.of(step.tree, acc), step.depth,
-                                                step.predicted)
-        self.tree_metrics.on_verify(step, acc, t1 - t0, time.perf_counter() - t1,
-                                    [self.input_batch.req_ids[i]
-                                     for i in step.req_index.tolist()])
+            self.tree_policy.observe_acceptance(outcome, step.depth, step.predicted)
+        req_ids = (None if self.tree_metrics.trace is None else
+                   [self.input_batch.req_ids[i] for i in step.req_index.tolist()])
+        self.tree_metrics.on_verify(step, acc, outcome.accepted, t1 - t0,
+                                    time.perf_counter() - t1, req_ids)
         self._verify = None
         return out
 

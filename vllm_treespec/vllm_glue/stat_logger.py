@@ -47,6 +47,7 @@ class TreeStatLogger(StatLoggerBase):
             return
         self.model = vllm_config.model_config.served_model_name
         self._seen: dict | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._logged: dict | None = None
         C, G = prometheus_client.Counter, prometheus_client.Gauge
         self.trees = _metric(C, "vllm_treespec:trees", "Verified draft trees")
@@ -67,6 +68,13 @@ class TreeStatLogger(StatLoggerBase):
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if not self.active:
             return
+        # Called on every engine step, in the API server, which shares the CPU
+        # with the engine: parse the worker's file only when it was rewritten
+        # (once a second), not on each of the ~30 steps a second.
+        stamp = StatsFile.stamp(self.path)
+        if stamp is None or stamp == self._stamp:
+            return
+        self._stamp = stamp
         now = StatsFile.read(self.path)
         if now is None or now == self._seen:
             return

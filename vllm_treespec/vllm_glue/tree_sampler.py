@@ -83,6 +83,16 @@ class VerifyStep:
     aux_hidden_states: list[torch.Tensor] | None = None
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``. On the CPU through numpy: torch's index reduction is
+    ~7x slower over a vocabulary of 49k (130 against 19 us for the 5 rows of a
+    small tree), numpy's gives the same indices (the first maximum; NaN counts
+    as the maximum)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+        return torch.from_numpy(x.numpy().argmax(-1))
+    return x.argmax(-1)
+
+
 def _node_rows(step: VerifyStep) -> torch.Tensor:
     """[Bt, T] logits row of every node (padding nodes read the root's row)."""
     T = step.tree.tree_size
@@ -215,7 +225,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
         # Greedy and nothing to process: the argmax of the raw rows, without
         # copying every node's logits (the batch-1 step's common case).
         return _output(num_reqs, None, step,
-                       greedy_accept(step.tree, logits.argmax(-1)[_node_rows(step)]))
+                       greedy_accept(step.tree, row_argmax(logits)[_node_rows(step)]))
     base = None
     if not skip_base:
         num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
@@ -225,7 +235,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     processed = processed_node_logits(logits, step, md)
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
         else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
-    acc = greedy_accept(step.tree, processed.argmax(-1))
+    acc = greedy_accept(step.tree, row_argmax(processed))
     if not bool(greedy.all()):
         probs = node_probs(processed, step, md)
         uniforms, noise = _random_draws(step, probs.shape[-1])
