@@ -1,4 +1,4 @@
-"""Batch-1 speed of several methods as served, with every server alive at once.
+"""Speed of several methods as served, with every server alive at once.
 
 Why: ``vllm-treespec bench`` serves one method after another, and on these
 shared machines a server run drifts by 10 % and more against the next one, so
@@ -6,9 +6,16 @@ a single served run cannot resolve the differences between speculative methods.
 Here one ``vllm-treespec serve`` per method starts first, then each turn is sent
 to every server in turn (one request at a time, streaming, greedy): slow drift
 of the machine hits all methods alike, while each measurement still includes
-everything a served request pays (API server, engine core, worker).
+everything a served request pays (API server, engine core, worker). With
+``--concurrency N`` the turns go in rounds of N concurrent requests, each round
+to every server in turn (servers get ``--max-num-seqs N``); tok/s is then the
+output tokens of the rounds over their wall time, and the per-turn ratios below
+are per round. Every server meets every prompt once, so none of them reuses a
+cached prefix of another's.
 
     python benchmarks/served_ab.py --methods none,eagle3:k=2,eagle3_tree --turns 16 --out DIR
+    python benchmarks/served_ab.py --methods none,eagle3_tree --turns 48 --max-tokens 128 \
+        --concurrency 16 --out DIR
 
 Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``).
 Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``), so
@@ -40,10 +47,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)
     p.add_argument("--tree", default=None, help="JSON of eagle3_tree settings")
-    p.add_argument("--serve-args", default="--dtype float32 --max-model-len 4096 --seed 0 "
-                                           "--max-num-seqs 1")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="requests in flight per server (rounds of this many turns)")
+    p.add_argument("--serve-args", default=None,
+                   help="default: --dtype float32 --max-model-len 4096 --seed 0 "
+                        "--max-num-seqs CONCURRENCY")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.concurrency < 1:
+        p.error(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.serve_args is None:
+        args.serve_args = ("--dtype float32 --max-model-len 4096 --seed 0 "
+                           f"--max-num-seqs {args.concurrency}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     assets = ensure_assets()
@@ -67,12 +82,22 @@ def main(argv: list[str] | None = None) -> int:
                                      [{"role": "user", "content": "Say hello."}]))
         before = {label: spec_counters(s.metrics()) for label, s in servers.items()}
         results: dict[str, list] = {label: [] for label in servers}
-        for i, turn in enumerate(turns):
+        walls: dict[str, list[float]] = {label: [] for label in servers}
+        n = args.concurrency
+        rounds = [turns[i:i + n] for i in range(0, len(turns), n)]
+        for i, group in enumerate(rounds):
             for label, d in drivers.items():
-                r = d.run_turn(turn)
-                results[label].append(r)
-                log(f"{i + 1}/{len(turns)} {label} {turn.turn_id}: {r.output_tokens} tok "
-                    f"{r.tok_s:.1f} tok/s")
+                if n == 1:
+                    r = d.run_turn(group[0])
+                    rs, wall = [r], r.e2e_s
+                else:
+                    rs, wall = d.run_concurrent(group, n)
+                results[label] += rs
+                walls[label].append(wall)
+                tokens = sum(r.output_tokens for r in rs)
+                log(f"{i + 1}/{len(rounds)} {label} {group[0].turn_id}"
+                    f"{f' +{len(group) - 1}' if len(group) > 1 else ''}: {tokens} tok "
+                    f"{tokens / wall:.1f} tok/s")
         after = {label: spec_counters(s.metrics()) for label, s in servers.items()}
     finally:
         for s in servers.values():
@@ -81,17 +106,25 @@ def main(argv: list[str] | None = None) -> int:
     first = methods[0][0]
     summary = {"command": "python benchmarks/served_ab.py " + " ".join(
                    shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-               "turns": len(turns), "max_tokens": args.max_tokens, "env": env,
-               "methods": {}}
+               "turns": len(turns), "max_tokens": args.max_tokens,
+               "concurrency": args.concurrency, "env": env, "methods": {}}
+
+    def round_rates(label):  # output tok/s of each round
+        rs, k = results[label], args.concurrency
+        return [sum(r.output_tokens for r in rs[j * k:(j + 1) * k]) / w
+                for j, w in enumerate(walls[label])]
+
+    def rate(label):
+        return sum(r.output_tokens for r in results[label]) / sum(walls[label])
+
     for label, spec in methods:
         rs = results[label]
-        tokens, seconds = sum(r.output_tokens for r in rs), sum(r.e2e_s for r in rs)
-        ratios = [r.tok_s / b.tok_s for r, b in zip(rs, results[first]) if b.tok_s > 0]
+        tokens, seconds = sum(r.output_tokens for r in rs), sum(walls[label])
+        ratios = [a / b for a, b in zip(round_rates(label), round_rates(first)) if b > 0]
         summary["methods"][label] = {
             "speculative_config": spec, "output_tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds,
-            "ratio": (tokens / seconds) / (sum(r.output_tokens for r in results[first])
-                                           / sum(r.e2e_s for r in results[first])),
+            "ratio": rate(label) / rate(first),
             "turn_ratio_mean": mean(ratios),
             "turn_ratio_p10": pct(ratios, 10),
             "turn_ratio_p90": pct(ratios, 90),

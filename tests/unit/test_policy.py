@@ -145,6 +145,32 @@ def test_probes_come_every_probe_every_steps_again_once_speculation_pays():
     assert len(probes) >= 2 and p._probe_gap == 4
 
 
+def probe_steps(p, batch, steps):
+    return [n for n in range(1, steps + 1) if p.plan_depth(batch) > 0]
+
+
+def test_probes_while_off_cost_at_most_their_share_of_the_time():
+    """At 16 requests a probe verifies 16 chains: here 1.5 plain steps of extra
+    (served on the CPU, ~3 % of a 128-step load went to two probes). While off,
+    probes keep their extra under PROBE_SHARE of the time at every point; at
+    batch 1, where a probe is cheap, the usual gaps decide."""
+    p = policy(per_token=0.003, accept=(0.0,) * 6)
+    p.probe_every = 32
+    plain, extra = p.step_cost(16), p.step_cost(32) - p.step_cost(16)
+    probes = probe_steps(p, 16, 600)
+    assert probes, "still re-examined"
+    for k, n in enumerate(probes, 1):
+        assert k * extra <= p.PROBE_SHARE * n * plain * 1.02, (k, n, probes)
+    one = policy(per_token=0.003, accept=(0.0,) * 6)
+    one.probe_every = 32
+    assert probe_steps(one, 1, 600)[:3] == [32, 96, 224]
+    # Negative control: without the share, the doubling gaps alone overspend at 16.
+    free = policy(per_token=0.003, accept=(0.0,) * 6)
+    free.probe_every, free.PROBE_SHARE = 32, 1e9
+    assert any(k * extra > p.PROBE_SHARE * n * plain
+               for k, n in enumerate(probe_steps(free, 16, 600), 1))
+
+
 def test_a_probe_verifies_the_chain_even_when_estimates_say_no():
     """Estimates gone wrong (kappa at its floor after an unlucky start) must be
     correctable: probe steps verify each request's chain to the probed depth."""

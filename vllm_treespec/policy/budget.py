@@ -28,7 +28,8 @@ and decides every step:
   verifies at least each request's chain to that depth, which keeps the
   acceptance statistics of the next depth current (and lets wrong estimates
   recover); while speculation stays off, the gap between probes doubles, up
-  to 8 x ``probe_every``. t(.) also carries the branching extra below, in proportion to how
+  to 8 x ``probe_every``, and probes never take more than ``PROBE_SHARE`` (1 %)
+  of the time at the batch size at hand. t(.) also carries the branching extra below, in proportion to how
   often trees drafted to depth d branched.
 
   Each depth is priced twice: as above (tree mode), and as the greedy chain of
@@ -59,6 +60,7 @@ Pure Python/torch; the runner feeds it timings and acceptance counts.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -72,6 +74,12 @@ from vllm_treespec.tree.accept import Outcome
 
 class AdaptiveBudget:
     MAX_PROBE_GAP = 8  # while off, probes back off to one per 8 x probe_every steps
+    # While off, probes may cost at most this share of the time (their extra over
+    # plain steps). At batch 1 a probe costs a tenth of a plain step and the gaps
+    # above decide; at 16 requests it verifies 16 chains (served on the CPU: a
+    # ~140 ms step against ~65 ms, plus the drafter's catch-up), and two probes in
+    # a 128-step load cost the tree server ~3 % against plain decoding.
+    PROBE_SHARE = 0.01
     RATE_PER_TREE = 0.02  # acceptance estimates: weight of one verified tree
     RATE_OFF_PROBE = 0.15  # ... of a tree verified by a probe while speculation is off
     PRIOR_TREES = 4.0     # weight of an acceptance prior, in trees
@@ -124,6 +132,7 @@ class AdaptiveBudget:
         self.last_depth = depth
         self.probing = False  # this step explores (see plan_depth)
         self._probe_gap = self._next_probe = None  # set by the first _probe_due
+        self._last_probe = 0
         self._probing_while_off = False  # the drafts being verified come from such a probe
         self._unverified = 0  # requests of the last drafting step with no drafts
 
@@ -347,7 +356,7 @@ class AdaptiveBudget:
                 r = float(ratios[d - 1, int(chain)])
                 if r > best:
                     best_d, best, chain_mode = d, r, chain
-        self.probing = self._probe_due(best_d)
+        self.probing = self._probe_due(best_d, batch)
         self._probing_while_off = self.probing and best_d == 0
         if self.probing:
             # Explore one level deeper than the plan, to keep the statistics of
@@ -358,11 +367,13 @@ class AdaptiveBudget:
         self.last_depth, self.chain_mode = best_d, chain_mode
         return best_d
 
-    def _probe_due(self, planned: int) -> bool:
+    def _probe_due(self, planned: int, batch: int = 1) -> bool:
         """Whether this step probes. Every ``probe_every`` steps while speculating;
         while off, each probe that leaves speculation off doubles the gap to the
         next one (up to ``MAX_PROBE_GAP`` x), so a drafter that does not pay on
-        this device costs ever fewer probes, and still gets re-examined."""
+        this device costs ever fewer probes, and still gets re-examined; and
+        never sooner after the last probe than keeps the probes' extra cost at
+        this batch size under ``PROBE_SHARE`` of the time."""
         if not self.probe_every:
             return False
         if self._next_probe is None:
@@ -372,10 +383,26 @@ class AdaptiveBudget:
             self._next_probe = min(self._next_probe, self._steps + self.probe_every)
         if self._steps < self._next_probe:
             return False
+        if planned == 0:
+            floor = self._last_probe + self.probe_cost_gap(batch)
+            if self._steps < floor:
+                self._next_probe = floor
+                return False
         self._probe_gap = (min(2 * self._probe_gap, self.MAX_PROBE_GAP * self.probe_every)
                            if planned == 0 else self.probe_every)
         self._next_probe = self._steps + self._probe_gap
+        self._last_probe = self._steps
         return True
+
+    def probe_cost_gap(self, batch: int) -> int:
+        """Fewest steps between probes while off such that a probe's extra cost
+        (each request's first draft verified, drafted from a first pass over
+        its token) stays under ``PROBE_SHARE`` of the steps' time."""
+        plain, probe = self.step_cost(batch), self.step_cost(2 * batch)
+        if plain is None or probe is None:
+            return 0
+        draft = (self.first_pass_cost(batch) or 0.0) + (self.draft_overhead(batch) or 0.0)
+        return math.ceil(max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain))
 
     def select(self, scores: torch.Tensor, max_nodes: int,
                chain: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
