@@ -29,8 +29,8 @@ and decides every step:
   acceptance statistics of the next depth current (and lets wrong estimates
   recover); while speculation stays off, the gap between probes doubles, up
   to 8 x ``probe_every``, and probes never take more than ``PROBE_SHARE`` (1 %)
-  of the time at the batch size at hand. t(.) also carries the branching extra below, in proportion to how
-  often trees drafted to depth d branched.
+  of the time at the batch size at hand. t(.) also carries the branching extra
+  below, in proportion to how often trees drafted to depth d branched.
 
   Each depth is priced twice: as above (tree mode), and as the greedy chain of
   d nodes verified whole (chain mode: n(d) = d, one-wide levels, no branching
