@@ -164,6 +164,15 @@ def test_probes_while_off_cost_at_most_their_share_of_the_time():
     one = policy(per_token=0.003, accept=(0.0,) * 6)
     one.probe_every = 32
     assert probe_steps(one, 1, 600)[:3] == [32, 96, 224]
+    # Speculating again before a postponed probe: probes every probe_every steps.
+    back = policy(per_token=0.003, accept=(0.0,) * 6)
+    back.probe_every = 32
+    back.draft_overhead.add(16, 0.5)  # drafting priced dear: the next probe ~600 steps away
+    assert probe_steps(back, 16, 40) == []
+    back.draft_overhead = LinearFit()
+    back.accepted_at = [0.9, 0.8, 0.0, 0.0, 0.0, 0.0]
+    depths = [back.plan_depth(16) for _ in range(33)]
+    assert min(depths) > 0 and max(depths) > min(depths), depths
     # Negative control: without the share, the doubling gaps alone overspend at 16.
     free = policy(per_token=0.003, accept=(0.0,) * 6)
     free.probe_every, free.PROBE_SHARE = 32, 1e9

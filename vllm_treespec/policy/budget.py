@@ -378,7 +378,7 @@ class AdaptiveBudget:
             return False
         if self._next_probe is None:
             self._probe_gap = self._next_probe = self.probe_every
-        if planned > 0 and self._probe_gap > self.probe_every:  # speculating again
+        if planned > 0:  # speculating (again): the gap of the on state
             self._probe_gap = self.probe_every
             self._next_probe = min(self._next_probe, self._steps + self.probe_every)
         if self._steps < self._next_probe:
@@ -402,7 +402,10 @@ class AdaptiveBudget:
         if plain is None or probe is None:
             return 0
         draft = (self.first_pass_cost(batch) or 0.0) + (self.draft_overhead(batch) or 0.0)
-        return math.ceil(max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain))
+        gap = max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain)
+        # Re-examined at least every few thousand steps, whatever the estimates say.
+        cap = 8 * self.MAX_PROBE_GAP * max(self.probe_every, 1)
+        return math.ceil(min(gap, cap)) if math.isfinite(gap) else cap
 
     def select(self, scores: torch.Tensor, max_nodes: int,
                chain: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:

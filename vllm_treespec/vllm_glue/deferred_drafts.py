@@ -86,20 +86,13 @@ class DeferredDrafts:
         already). A piece that starts at or before a kept one's end (the request
         was preempted and recomputes) supersedes the kept positions from there.
         """
-        if not req_ids:
-            return
-        pos = positions.tolist()
-        # One copy for the whole step (the caller's buffers are reused next
-        # step); each request keeps views of its rows. A copy per request cost
-        # ~20 us each on a cache-cold CPU, every off step.
-        rows = max(last) + 1
-        ids, hidden = ids[:rows].clone(), hidden[:rows].clone()
+        pos = positions.tolist() if len(req_ids) else []
         for b, req_id in enumerate(req_ids):
             lo, hi = first[b], last[b] + 1
             if hi <= lo:
                 continue
             start = int(pos[lo])
-            piece = DeferredSpan(start, ids[lo:hi], hidden[lo:hi])
+            piece = DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone())
             kept = self._spans.setdefault(req_id, [])
             if kept and kept[-1].end > start:  # a recompute: keep what precedes it
                 kept[:] = [DeferredSpan(p.start, p.ids[:n], p.hidden[:n]) for p in kept

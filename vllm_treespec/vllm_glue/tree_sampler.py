@@ -88,7 +88,8 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     ~7x slower over a vocabulary of 49k (130 against 19 us for the 5 rows of a
     small tree), numpy's gives the same indices (the first maximum; NaN counts
     as the maximum)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous():
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
+            and x.is_contiguous()):
         return torch.from_numpy(x.numpy().argmax(-1))
     return x.argmax(-1)
 
