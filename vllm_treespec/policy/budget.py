@@ -367,7 +367,7 @@ class AdaptiveBudget:
         self.last_depth, self.chain_mode = best_d, chain_mode
         return best_d
 
-    def _probe_due(self, planned: int, batch: int = 1) -> bool:
+    def _probe_due(self, planned: int, batch: int) -> bool:
         """Whether this step probes. Every ``probe_every`` steps while speculating;
         while off, each probe that leaves speculation off doubles the gap to the
         next one (up to ``MAX_PROBE_GAP`` x), so a drafter that does not pay on

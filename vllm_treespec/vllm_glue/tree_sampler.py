@@ -191,12 +191,13 @@ def _position_noise(seed: int, first: int, count: int, vocab: int,
     return out
 
 
-def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], processed: torch.Tensor,
+def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], argmax: torch.Tensor,
                        probs: torch.Tensor, greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
     """Sampled seeded requests accept with per-position noise (``position_samples``),
     the noise vLLM's sampler uses for the same position on a plain step: their
     output depends on the seed alone, not on the trees or off steps the adaptive
-    budget chose (timing-dependent). seeds: batch row -> the request's seed."""
+    budget chose (timing-dependent). seeds: batch row -> the request's seed;
+    argmax: [Bt, T] the nodes' greedy picks (kept for the rows not seeded)."""
     seeded = [(i, seeds[b]) for i, b in enumerate(step.req_index.tolist())
               if b in seeds and not bool(greedy[i])]
     if not seeded:
@@ -206,7 +207,7 @@ def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], processed: torch
     count = int(tree.depth[rows].max()) + 1  # the depths these trees use, not the cap
     noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count,
                                          probs.shape[-1], probs.device) for i, seed in seeded])
-    samples = processed.argmax(-1)
+    samples = argmax.clone()
     samples[rows] = position_samples(probs[rows], tree.depth[rows], noise)
     take = torch.zeros(tree.batch_size, dtype=torch.bool, device=probs.device)
     take[rows] = True
@@ -236,12 +237,13 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     processed = processed_node_logits(logits, step, md)
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
         else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
-    acc = greedy_accept(step.tree, row_argmax(processed))
+    argmax = row_argmax(processed)
+    acc = greedy_accept(step.tree, argmax)
     if not bool(greedy.all()):
         probs = node_probs(processed, step, md)
         uniforms, noise = _random_draws(step, probs.shape[-1])
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
-        acc = _seeded_acceptance(step, seeds, processed, probs, greedy, acc)
+        acc = _seeded_acceptance(step, seeds, argmax, probs, greedy, acc)
     logprobs = None
     if base is not None and md.max_num_logprobs is not None \
             and base.logprobs_tensors is not None:
