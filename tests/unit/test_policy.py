@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_treespec.policy import AdaptiveBudget, LinearFit, StepCostTable
+from vllm_treespec.policy.probes import ProbeSchedule
 from vllm_treespec.tree import Outcome
 
 
@@ -121,28 +122,28 @@ def test_useless_drafter_turns_speculation_off():
 
 def test_probes_explore_one_level_deeper_even_when_off():
     p = policy(accept=(0.0,) * 6)
-    p.probe_every = 5
+    p.probes.every = 5
     planned = [p.plan_depth(1) for _ in range(200)]
     # While off, each probe doubles the gap to the next, up to 8 x probe_every.
     assert [i + 1 for i, d in enumerate(planned) if d] == [5, 15, 35, 75, 115, 155, 195]
     assert set(planned) == {0, 1}
     cheap = policy(per_token=0.0001, accept=(0.8, 0.6, 0.0, 0.0, 0.0, 0.0))
-    cheap.probe_every = 3
+    cheap.probes.every = 3
     planned = [cheap.plan_depth(1) for _ in range(3)]
     assert planned[2] == planned[0] + 1 and planned[0] == planned[1] > 0
 
 
 def test_probes_come_every_probe_every_steps_again_once_speculation_pays():
     p = policy(accept=(0.0,) * 6)
-    p.probe_every = 4
+    p.probes.every = 4
     for _ in range(60):  # off: the gap has grown to 32
         p.plan_depth(1)
-    assert p._probe_gap == 32
+    assert p.probes.gap == 32
     p.accepted_at = [0.8, 0.6, 0.0, 0.0, 0.0, 0.0]  # the drafter got good (to depth 2)
     depths = [p.plan_depth(1) for _ in range(12)]
     assert min(depths) > 0
     probes = [i for i in range(1, 12) if depths[i] > depths[i - 1]]
-    assert len(probes) >= 2 and p._probe_gap == 4
+    assert len(probes) >= 2 and p.probes.gap == 4
 
 
 def probe_steps(p, batch, steps):
@@ -155,18 +156,18 @@ def test_probes_while_off_cost_at_most_their_share_of_the_time():
     probes keep their extra under PROBE_SHARE of the time at every point; at
     batch 1, where a probe is cheap, the usual gaps decide."""
     p = policy(per_token=0.003, accept=(0.0,) * 6)
-    p.probe_every = 32
+    p.probes.every = 32
     plain, extra = p.step_cost(16), p.step_cost(32) - p.step_cost(16)
     probes = probe_steps(p, 16, 600)
     assert probes, "still re-examined"
     for k, n in enumerate(probes, 1):
         assert k * extra <= p.PROBE_SHARE * n * plain * 1.02, (k, n, probes)
     one = policy(per_token=0.003, accept=(0.0,) * 6)
-    one.probe_every = 32
+    one.probes.every = 32
     assert probe_steps(one, 1, 600)[:3] == [32, 96, 224]
     # Speculating again before a postponed probe: probes every probe_every steps.
     back = policy(per_token=0.003, accept=(0.0,) * 6)
-    back.probe_every = 32
+    back.probes.every = 32
     back.draft_overhead.add(16, 0.5)  # drafting priced dear: the next probe ~600 steps away
     assert probe_steps(back, 16, 40) == []
     back.draft_overhead = LinearFit()
@@ -175,7 +176,7 @@ def test_probes_while_off_cost_at_most_their_share_of_the_time():
     assert min(depths) > 0 and max(depths) > min(depths), depths
     # Negative control: without the share, the doubling gaps alone overspend at 16.
     free = policy(per_token=0.003, accept=(0.0,) * 6)
-    free.probe_every, free.PROBE_SHARE = 32, 1e9
+    free.probes.every, free.PROBE_SHARE = 32, 1e9
     assert any(k * extra > p.PROBE_SHARE * n * plain
                for k, n in enumerate(probe_steps(free, 16, 600), 1))
 
@@ -184,7 +185,7 @@ def test_a_probe_verifies_the_chain_even_when_estimates_say_no():
     """Estimates gone wrong (kappa at its floor after an unlucky start) must be
     correctable: probe steps verify each request's chain to the probed depth."""
     p = policy(accept=(0.0,) * 6)
-    p.kappa, p.probe_every = 0.05, 4
+    p.kappa, p.probes.every = 0.05, 4
     scores = torch.log(torch.tensor([[0.5, 0.4, 0.3, 0.2], [0.6, 0.1, 0.05, 0.01]]))
     chain = torch.tensor([[True, False, True, False], [True, False, False, True]])
     depths, picks = [], []
@@ -605,3 +606,19 @@ def test_chain_depths_are_learned_from_chains_verified_whole():
     assert first == pytest.approx(0.9, abs=0.06)  # depth 1: every step teaches it
     assert tree < 0.35
     assert run(learn_from_cuts=True)[0] > 0.5  # control: the confident chains decide
+
+
+def test_probe_schedule_backs_off_while_off_and_respects_the_cost_floor():
+    s = ProbeSchedule(every=4)
+    # Speculating: every 4 steps.
+    assert [n for n in range(1, 17) if s.due(n, True, lambda: 1000)] == [4, 8, 12, 16]
+    # Off: the gap doubles from the last probe (8, 16, 32, 32), the floor unused.
+    off = ProbeSchedule(every=4)
+    assert [n for n in range(1, 120) if off.due(n, False, lambda: 0)] == [4, 12, 28, 60, 92]
+    # Off with a floor of 50 steps between probes: never sooner.
+    floored = ProbeSchedule(every=4)
+    got = [n for n in range(1, 200) if floored.due(n, False, lambda: 50)]
+    assert got == [50, 100, 150] and all(b - a >= 50 for a, b in zip(got, got[1:]))
+    # Speculating again brings the on-state gap back at once.
+    assert not floored.due(151, True, lambda: 50) and floored.due(155, True, lambda: 50)
+    assert ProbeSchedule(every=0).due(1, False, lambda: 0) is False

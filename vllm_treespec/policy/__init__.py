@@ -1,5 +1,6 @@
 """Adaptive speculation budget (``budget``), its acceptance estimates
-(``acceptance``) and cost models (``costs``).
+(``acceptance``), cost models (``costs``), node selection (``selection``) and
+probe schedule (``probes``).
 Pure Python/torch; the runner feeds it timings and acceptance counts."""
 
 from vllm_treespec.policy.budget import AdaptiveBudget

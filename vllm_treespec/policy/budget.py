@@ -24,12 +24,9 @@ and decides every step:
   best d wins if R(d) beats 1 by a margin; otherwise speculation is off for the
   step and costs what a plain step costs: the drafter does not run at all (the
   proposer defers its inputs and catches its KV up when drafting resumes).
-  Every ``probe_every`` steps it drafts one level deeper than planned and
-  verifies at least each request's chain to that depth, which keeps the
-  acceptance statistics of the next depth current (and lets wrong estimates
-  recover); while speculation stays off, the gap between probes doubles, up
-  to 8 x ``probe_every``, and probes never take more than ``PROBE_SHARE`` (1 %)
-  of the time at the batch size at hand. t(.) also carries the branching extra
+  Now and then a step probes one level deeper than planned (``probes``:
+  when; while off, never more than ``PROBE_SHARE``, 1 %, of the time at the
+  batch size at hand). t(.) also carries the branching extra
   below, in proportion to how often trees drafted to depth d branched.
 
   Each depth is priced twice: as above (tree mode), and as the greedy chain of
@@ -47,10 +44,8 @@ and decides every step:
 
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
-  (kappa calibrates the drafter online). Taking candidates in decreasing q, the
-  best prefix maximises (B + sum q) / t(B + k) — the EAGLE-2 rerank generalised
-  to a batch under a cost model. Per request that prefix is its top-n by score,
-  which is ancestor-closed, i.e. a valid tree. The same cut restricted to each
+  (kappa calibrates the drafter online); the best prefix of the candidates by
+  q maximises (B + sum q) / t(B + k) (``selection``). The same cut restricted to each
   request's greedy chain competes with it: chains verify with a device's
   causal kernel, while a step with branching trees pays a learned extra cost
   for tree attention (large on the CPU, about zero with a fused tree kernel).
@@ -69,11 +64,12 @@ import torch
 
 from vllm_treespec.policy.acceptance import ConditionalAcceptance
 from vllm_treespec.policy.costs import LinearFit, StepCostTable
+from vllm_treespec.policy.probes import ProbeSchedule
+from vllm_treespec.policy.selection import best_prefix
 from vllm_treespec.tree.accept import Outcome
 
 
 class AdaptiveBudget:
-    MAX_PROBE_GAP = 8  # while off, probes back off to one per 8 x probe_every steps
     # While off, probes may cost at most this share of the time (their extra over
     # plain steps). At batch 1 a probe costs a tenth of a plain step and the gaps
     # above decide; at 16 requests it verifies 16 chains (served on the CPU: a
@@ -95,7 +91,7 @@ class AdaptiveBudget:
         self.M, self.D, self.K = num_nodes, depth, width
         self.chains = chains  # price the greedy chain too (no: a static topology)
         self.margin = margin
-        self.probe_every = probe_every
+        self.probes = ProbeSchedule(probe_every)
         self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
         self.level_cost = LinearFit()         # seconds per drafting level vs B*width
         # One-wide levels apart: a device may run them on another kernel (the
@@ -131,8 +127,6 @@ class AdaptiveBudget:
         self._steps = 0
         self.last_depth = depth
         self.probing = False  # this step explores (see plan_depth)
-        self._probe_gap = self._next_probe = None  # set by the first _probe_due
-        self._last_probe = 0
         self._probing_while_off = False  # the drafts being verified come from such a probe
         self._unverified = 0  # requests of the last drafting step with no drafts
 
@@ -356,7 +350,8 @@ class AdaptiveBudget:
                 r = float(ratios[d - 1, int(chain)])
                 if r > best:
                     best_d, best, chain_mode = d, r, chain
-        self.probing = self._probe_due(best_d, batch)
+        self.probing = self.probes.due(self._steps, best_d > 0,
+                                       lambda: self.probe_cost_gap(batch))
         self._probing_while_off = self.probing and best_d == 0
         if self.probing:
             # Explore one level deeper than the plan, to keep the statistics of
@@ -366,33 +361,6 @@ class AdaptiveBudget:
             chain_mode = self.chains and (chain_mode or best_d == 1)
         self.last_depth, self.chain_mode = best_d, chain_mode
         return best_d
-
-    def _probe_due(self, planned: int, batch: int) -> bool:
-        """Whether this step probes. Every ``probe_every`` steps while speculating;
-        while off, each probe that leaves speculation off doubles the gap to the
-        next one (up to ``MAX_PROBE_GAP`` x), so a drafter that does not pay on
-        this device costs ever fewer probes, and still gets re-examined; and
-        never sooner after the last probe than keeps the probes' extra cost at
-        this batch size under ``PROBE_SHARE`` of the time."""
-        if not self.probe_every:
-            return False
-        if self._next_probe is None:
-            self._probe_gap = self._next_probe = self.probe_every
-        if planned > 0:  # speculating (again): the gap of the on state
-            self._probe_gap = self.probe_every
-            self._next_probe = min(self._next_probe, self._steps + self.probe_every)
-        if self._steps < self._next_probe:
-            return False
-        if planned == 0:
-            floor = self._last_probe + self.probe_cost_gap(batch)
-            if self._steps < floor:
-                self._next_probe = floor
-                return False
-        self._probe_gap = (min(2 * self._probe_gap, self.MAX_PROBE_GAP * self.probe_every)
-                           if planned == 0 else self.probe_every)
-        self._next_probe = self._steps + self._probe_gap
-        self._last_probe = self._steps
-        return True
 
     def probe_cost_gap(self, batch: int) -> int:
         """Fewest steps between probes while off such that a probe's extra cost
@@ -404,7 +372,7 @@ class AdaptiveBudget:
         draft = (self.first_pass_cost(batch) or 0.0) + (self.draft_overhead(batch) or 0.0)
         gap = max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain)
         # Re-examined at least every few thousand steps, whatever the estimates say.
-        cap = 8 * self.MAX_PROBE_GAP * max(self.probe_every, 1)
+        cap = 8 * ProbeSchedule.MAX_GAP * max(self.probes.every, 1)
         return math.ceil(min(gap, cap)) if math.isfinite(gap) else cap
 
     def select(self, scores: torch.Tensor, max_nodes: int,
@@ -431,10 +399,10 @@ class AdaptiveBudget:
         # of what the same dozen small torch ops cost every step.
         q = np.nan_to_num(np.minimum(self.kappa * np.exp(scores.float().cpu().numpy()), 1.0),
                           nan=0.0)
-        tree = self._best_prefix(q, m, cost, max(self.branch_cost, 0.0))
+        tree = best_prefix(q, m, cost, max(self.branch_cost, 0.0))
         if chain is None:
             return torch.from_numpy(tree[0]).to(dev), False
-        chain_pick = self._best_prefix(np.where(chain.cpu().numpy(), q, 0.0), m, cost, 0.0)
+        chain_pick = best_prefix(np.where(chain.cpu().numpy(), q, 0.0), m, cost, 0.0)
         if self.probing:
             # A probe verifies each request's chain down to the probed depth even
             # when the estimates say no: otherwise estimates that went wrong (say,
@@ -445,19 +413,3 @@ class AdaptiveBudget:
             return torch.from_numpy(np.maximum(chain_pick[0], depth)).to(dev), True
         pick, chain_only = (chain_pick, True) if chain_pick[1] >= tree[1] else (tree, False)
         return torch.from_numpy(pick[0]).to(dev), chain_only
-
-    @staticmethod
-    def _best_prefix(q: np.ndarray, m: int, cost: np.ndarray,
-                     extra: float) -> tuple[np.ndarray, float]:
-        """Budgets [B] of the batch-wide best prefix of candidates by q (each
-        request's ``m`` best), and its rate; ``cost[k]``: a step verifying k nodes."""
-        B = q.shape[0]
-        top = -np.sort(-q, axis=1)[:, :m]                                  # [B, m]
-        flat = -np.sort(-top.ravel())
-        gain = B + np.concatenate([[0.0], np.cumsum(flat, dtype=np.float64)])
-        rate = gain / (cost + extra * (np.arange(flat.size + 1) > 0))
-        best_k = int(np.argmax(rate))
-        if best_k == 0 or flat[best_k - 1] <= 0.0:
-            return np.zeros(B, dtype=np.int64), float(rate[0])
-        # Nodes at or above the threshold (ties may add a few; harmless).
-        return (top >= flat[best_k - 1]).sum(1).astype(np.int64), float(rate[best_k])
