@@ -120,8 +120,8 @@ def dump_failure(error: Exception, payload: dict[str, Any], directory: str | Non
 
 class StatsFile:
     """Throttled atomic writes of cumulative counters for the frontend (at most
-    four a second: nothing publishes once the engine idles, so the interval is
-    also how stale the last figures of a finished request can stay)."""
+    four a second while steps run; the runner forces a last write when its
+    batch drains, so an idle engine's figures are final)."""
 
     def __init__(self, path: str | None, min_interval_s: float = 0.25):
         self.path = Path(path) if path else None

@@ -134,6 +134,19 @@ def test_engine_features_trees_would_get_wrong_are_refused(target_dir, random_dr
     engine_config(target_dir, None, **engine_kw)
 
 
+def test_a_node_budget_over_the_step_token_budget_is_refused(target_dir, random_drafter):
+    from vllm_treespec.config import TreeSpecConfigError
+
+    spec = {"method": "eagle3_tree", "model": str(random_drafter), "num_nodes": 64,
+            "depth": 4}
+    kw = {"max_num_batched_tokens": 48, "enable_chunked_prefill": True, "max_model_len": 512}
+    with pytest.raises(TreeSpecConfigError, match="'num_nodes' has invalid value 64; "
+                                                  "allowed: 1..47 with engine argument "
+                                                  "max_num_batched_tokens = 48"):
+        engine_config(target_dir, spec, **kw)
+    engine_config(target_dir, dict(spec, num_nodes=47), **kw)  # the largest that fits
+
+
 def test_a_sliding_window_model_fails_before_its_weights_load(target_dir, random_drafter,
                                                               engine_dir):
     from tests.integration.conftest import base_engine, run_engine

@@ -158,3 +158,42 @@ def test_every_layer_must_run_the_tree_backend():
     with pytest.raises(TreeSpecConfigError, match="CPUAttentionBackend.*causal"):
         support.check_tree_backends([TreeCPUAttentionBackend, CPUAttentionBackend],
                                     TreeCPUAttentionBackend)
+
+
+def test_a_node_budget_must_fit_one_step_of_tokens():
+    support.check_token_budget(47, 48)
+    with pytest.raises(TreeSpecConfigError, match="'num_nodes' has invalid value 48; "
+                                                  "allowed: 1..47"):
+        support.check_token_budget(48, 48)
+
+
+def test_a_platform_without_a_tree_worker_is_refused():
+    from vllm_treespec.vllm_glue.spec_config import _select_worker
+
+    with pytest.raises(TreeSpecConfigError, match="platform 'rocm' is not supported"):
+        _select_worker(SimpleNamespace(worker_cls="auto"), kind="rocm", environ={})
+    chosen = SimpleNamespace(worker_cls="auto")
+    _select_worker(chosen, kind="cpu", environ={})
+    assert chosen.worker_cls.endswith("TreeCPUWorker")
+
+
+@pytest.mark.parametrize("name", ["VLLM_TREESPEC_ASCEND_VARIANT",
+                                  "VLLM_TREESPEC_ASCEND_FULL_GRAPH"])
+def test_ascend_tree_attention_asked_for_without_torch_npu_is_refused(name):
+    from vllm_treespec.vllm_glue.spec_config import _select_worker
+
+    with pytest.raises(TreeSpecConfigError, match=rf"\${name}=.* asks for Ascend tree "
+                                                  rf"attention, but vLLM runs on platform 'cpu'"):
+        _select_worker(SimpleNamespace(worker_cls="auto"), kind="cpu",
+                       environ={name: "two_pass" if "VARIANT" in name else "1"})
+    npu = SimpleNamespace(worker_cls="auto")
+    _select_worker(npu, kind="npu", environ={name: "1"})  # where it means something
+    assert npu.worker_cls.endswith("TreeNPUWorker")
+
+
+def test_ascend_settings_at_their_defaults_pass_anywhere():
+    from vllm_treespec.vllm_glue.spec_config import _select_worker
+
+    _select_worker(SimpleNamespace(worker_cls="auto"), kind="cpu",
+                   environ={"VLLM_TREESPEC_ASCEND_VARIANT": "full_mask",
+                            "VLLM_TREESPEC_ASCEND_FULL_GRAPH": "0"})

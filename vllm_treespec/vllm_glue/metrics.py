@@ -163,6 +163,11 @@ class TreeMetrics:
     def on_draft_fault(self) -> None:
         for t in self._both():
             t.draft_faults += 1
+        self.flush()
+
+    def flush(self) -> None:
+        """Publish the counters now (throttled writes may have left the last
+        steps out)."""
         self.stats.publish(lambda: dataclasses.asdict(self.total), force=True)
 
     def on_draft(self, seconds: float) -> None:

@@ -133,7 +133,14 @@ class TreeRunnerMixin(StepCostCalibration):
     def _update_states(self, scheduler_output):
         if hasattr(self, "drafter"):
             self.drafter.forget(scheduler_output.finished_req_ids)
-        return super()._update_states(scheduler_output)
+        out = super()._update_states(scheduler_output)
+        metrics = getattr(self, "tree_metrics", None)
+        if scheduler_output.finished_req_ids and not self.input_batch.num_reqs \
+                and metrics is not None:
+            # The engine idles now: the frontend gets the last steps' counters
+            # (the stats file is otherwise written at most four times a second).
+            metrics.flush()
+        return out
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):

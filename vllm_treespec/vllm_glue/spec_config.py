@@ -23,6 +23,7 @@ is loaded.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
@@ -99,15 +100,34 @@ def _stock_keys() -> set[str]:
     return {f.name for f in dataclasses.fields(SpeculativeConfig)}
 
 
-def _select_worker(parallel_config: Any) -> None:
-    """Point the engine at this platform's tree worker (stock runner + tree mixin)."""
+def _platform_kind() -> str:
     from vllm.platforms import current_platform
 
-    kind = "cpu" if current_platform.is_cpu() else getattr(current_platform, "device_type", "?")
+    return "cpu" if current_platform.is_cpu() else getattr(current_platform, "device_type", "?")
+
+
+def _select_worker(parallel_config: Any, kind: str | None = None,
+                   environ: dict[str, str] | None = None) -> None:
+    """Point the engine at this platform's tree worker (stock runner + tree mixin)."""
+    from vllm_treespec.attention.ascend.constants import FULL_MASK
+    from vllm_treespec.attention.ascend.settings import FULL_GRAPH_ENV, VARIANT_ENV
+
+    kind = kind or _platform_kind()
+    environ = os.environ if environ is None else environ
     if kind not in WORKERS:
         raise TreeSpecConfigError(
             f"{METHOD}: platform {kind!r} is not supported by this version; "
             f"supported: {sorted(WORKERS)}")
+    # Their defaults (full_mask, 0) ask for nothing.
+    defaults = {VARIANT_ENV: FULL_MASK, FULL_GRAPH_ENV: "0"}
+    asked = [f"${name}={environ[name]!r}" for name, default in defaults.items()
+             if environ.get(name, default) not in ("", default)]
+    if kind != "npu" and asked:
+        # Served anyway, these would be ignored: say so rather than run another path.
+        raise TreeSpecConfigError(
+            f"{METHOD}: {', '.join(asked)} asks for Ascend tree attention, but vLLM runs "
+            f"on platform {kind!r} (no torch_npu / vllm-ascend platform found); allowed: "
+            f"unset it, or serve on an Ascend install")
     current = getattr(parallel_config, "worker_cls", "auto")
     if current not in ("auto", WORKERS[kind]):
         raise TreeSpecConfigError(
@@ -125,7 +145,6 @@ def _enable_frontend_metrics() -> None:
     ``vllm.stat_logger_plugins`` entry-point group.
     """
     import atexit
-    import os
     import shutil
     import tempfile
 

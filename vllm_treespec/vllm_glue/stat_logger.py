@@ -5,7 +5,12 @@ Each engine's worker publishes cumulative counters to its file in
 which vLLM loads through its ``vllm.stat_logger_plugins`` entry-point group
 (one per engine, inert unless ``eagle3_tree`` is configured), turns them into
 Prometheus series on every engine step and logs a summary at vLLM's log
-interval. Series:
+interval. With several API servers (``--api-server-count``), the first one
+exports and logs and the others stay inert: each would read the same files,
+and Prometheus' multiprocess mode sums counters over processes. Since the
+first API server hears of the engine only when it gets outputs (its own
+requests', or the step's scheduler stats), it also re-reads the files at
+vLLM's log interval, so its series are never staler than that. Series:
 
     vllm_treespec:trees_total, vllm_treespec:draft_nodes_total,
     vllm_treespec:emitted_tokens_total (accepted drafts + bonus),
@@ -31,7 +36,10 @@ _METRICS: dict[str, object] = {}
 def _metric(kind, name, doc, labels=()):
     # One set of series per process, whatever the number of loggers created.
     if name not in _METRICS:
-        _METRICS[name] = kind(name, doc, list(labels))
+        # Under Prometheus' multiprocess mode (several API servers) a gauge
+        # would otherwise be exported once per process, labelled by pid.
+        extra = {"multiprocess_mode": "mostrecent"} if kind is prometheus_client.Gauge else {}
+        _METRICS[name] = kind(name, doc, list(labels), **extra)
     return _METRICS[name]
 
 
@@ -39,8 +47,10 @@ class TreeStatLogger(StatLoggerBase):
     def __init__(self, vllm_config, engine_index: int = 0):
         from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
-        # vLLM creates plugin loggers for every model it serves; only trees export.
-        self.active = tree_config_from_vllm(vllm_config) is not None
+        # vLLM creates plugin loggers for every model it serves; only trees
+        # export, and only from the first API server (see the module's docstring).
+        api_rank = getattr(vllm_config.parallel_config, "_api_process_rank", 0)
+        self.active = tree_config_from_vllm(vllm_config) is not None and api_rank <= 0
         self.path = stats_path(engine_index) if self.active else None
         self.engine_index = engine_index
         if not self.active:
@@ -66,8 +76,10 @@ class TreeStatLogger(StatLoggerBase):
                                  "Mean draft tree size since start")
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
-        if not self.active:
-            return
+        if self.active:
+            self._refresh()
+
+    def _refresh(self) -> None:
         # Called on every engine step, in the API server, which shares the CPU
         # with the engine: parse the worker's file only when it was rewritten
         # (at most 4 times a second), not on each of the ~30 steps a second.
@@ -104,6 +116,7 @@ class TreeStatLogger(StatLoggerBase):
     def log(self):
         if not self.active:
             return
+        self._refresh()  # another API server may have had the last outputs
         now = self._seen
         if now is None:
             return

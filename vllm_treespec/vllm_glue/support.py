@@ -147,6 +147,21 @@ def check_engine(vllm_config: Any) -> None:
     if vllm_config.kv_transfer_config is not None:
         raise _refuse("KV connectors (kv_transfer_config)",
                       "they would save the uncompacted tree slots of the KV cache")
+    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
+    check_token_budget(tree_config_from_vllm(vllm_config).num_nodes,
+                       vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def check_token_budget(num_nodes: int, max_num_batched_tokens: int) -> None:
+    """One request's verify step (its root and ``num_nodes`` drafts) must fit a
+    step's token budget; otherwise the scheduler cuts every tree, every step."""
+    if num_nodes + 1 > max_num_batched_tokens:
+        raise TreeSpecConfigError(
+            f"eagle3_tree: speculative-config key 'num_nodes' has invalid value "
+            f"{num_nodes}; allowed: 1..{max_num_batched_tokens - 1} with engine argument "
+            f"max_num_batched_tokens = {max_num_batched_tokens} (a verify step of one "
+            f"request takes num_nodes + 1 tokens)")
 
 
 def check_attention_layer(*, sliding_window: int | None, alibi_slopes: Any,
