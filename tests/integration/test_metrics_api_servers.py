@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import urllib.request
 
@@ -21,6 +22,7 @@ from vllm_treespec.observability import STATS_ENV, StatsFile
 
 pytestmark = pytest.mark.vllm
 
+ACCESS_LINE = re.compile(r"\((ApiServer_\d+) pid=\d+\).*POST /v1/chat/completions")
 QUESTIONS = ["Name three fruits.", "What is the capital of France?", "Count to five.",
              "Say hello in Spanish.", "What colour is the sky?", "Name a large animal.",
              "What is 2 plus 2?", "Name a programming language."]
@@ -39,9 +41,9 @@ def ask(base_url: str, question: str) -> None:
 
 
 def chat_servers(log) -> list[str]:
-    """The API server (log prefix) of each chat request served so far, in order."""
-    return [line.split("(", 1)[1].split(" ", 1)[0] for line in log.read_text().splitlines()
-            if "POST /v1/chat/completions" in line and line.startswith("(ApiServer_")]
+    """The API server (vLLM's log prefix) of each chat request served so far, in order."""
+    return [m.group(1) for line in log.read_text().splitlines()
+            if (m := ACCESS_LINE.search(line))]
 
 
 def test_each_tree_counted_once_with_two_api_servers(target_dir, random_drafter, tmp_path):
@@ -53,7 +55,9 @@ def test_each_tree_counted_once_with_two_api_servers(target_dir, random_drafter,
             "--max-num-seqs", "4", "--compilation-config", '{"mode": 0}',
             "--api-server-count", "2"]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           STATS_ENV: str(stats_dir), "VLLM_LOG_STATS_INTERVAL": "2"}
+           STATS_ENV: str(stats_dir), "VLLM_LOG_STATS_INTERVAL": "2",
+           # vLLM's per-process log prefix, uncoloured (chat_servers reads it).
+           "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_COLOR": "0"}
     log = tmp_path / "server.log"
     with Server(str(target_dir), args, spec, log, served_name="smollm2",
                 env=env, startup_timeout_s=600) as server:
