@@ -109,8 +109,7 @@ def _platform_kind() -> str:
 def _select_worker(parallel_config: Any, kind: str | None = None,
                    environ: dict[str, str] | None = None) -> None:
     """Point the engine at this platform's tree worker (stock runner + tree mixin)."""
-    from vllm_treespec.attention.ascend.constants import FULL_MASK
-    from vllm_treespec.attention.ascend.settings import FULL_GRAPH_ENV, VARIANT_ENV
+    from vllm_treespec.attention.ascend.settings import requested_settings
 
     kind = kind or _platform_kind()
     environ = os.environ if environ is None else environ
@@ -118,10 +117,7 @@ def _select_worker(parallel_config: Any, kind: str | None = None,
         raise TreeSpecConfigError(
             f"{METHOD}: platform {kind!r} is not supported by this version; "
             f"supported: {sorted(WORKERS)}")
-    # Their defaults (full_mask, 0) ask for nothing.
-    defaults = {VARIANT_ENV: FULL_MASK, FULL_GRAPH_ENV: "0"}
-    asked = [f"${name}={environ[name]!r}" for name, default in defaults.items()
-             if environ.get(name, default) not in ("", default)]
+    asked = requested_settings(environ)
     if kind != "npu" and asked:
         # Served anyway, these would be ignored: say so rather than run another path.
         raise TreeSpecConfigError(
@@ -217,8 +213,9 @@ def patch_engine_args() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         config = original_engine(self, *args, **kwargs)
-        if tree_config_from_vllm(config) is not None:
-            support.check_engine(config)
+        tree = tree_config_from_vllm(config)
+        if tree is not None:
+            support.check_engine(config, tree.num_nodes)
         return config
 
     create_speculative_config._treespec_wrapped = True  # type: ignore[attr-defined]

@@ -128,8 +128,9 @@ def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> None:
                                      f"target vocabulary is 0..{vocab - 1}")
 
 
-def check_engine(vllm_config: Any) -> None:
-    """Engine features the tree path does not reproduce (raise on the first)."""
+def check_engine(vllm_config: Any, num_nodes: int) -> None:
+    """Engine features the tree path does not reproduce, and a node budget of
+    ``num_nodes`` the engine cannot schedule (raise on the first)."""
     model = vllm_config.model_config
     if model.uses_mrope or model.uses_xdrope_dim:
         raise _refuse("M-RoPE / XD-RoPE position encodings",
@@ -147,10 +148,7 @@ def check_engine(vllm_config: Any) -> None:
     if vllm_config.kv_transfer_config is not None:
         raise _refuse("KV connectors (kv_transfer_config)",
                       "they would save the uncompacted tree slots of the KV cache")
-    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-
-    check_token_budget(tree_config_from_vllm(vllm_config).num_nodes,
-                       vllm_config.scheduler_config.max_num_batched_tokens)
+    check_token_budget(num_nodes, vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 def check_token_budget(num_nodes: int, max_num_batched_tokens: int) -> None:

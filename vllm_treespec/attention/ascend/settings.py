@@ -1,7 +1,7 @@
 """Settings of the Ascend tree attention: environment variables and their resolution.
 
-Owns the environment variable names, :class:`AscendTreeSettings` and
-:func:`resolve_settings`. Imports :mod:`.constants` (and, lazily,
+Owns the environment variable names and their defaults, :class:`AscendTreeSettings`,
+:func:`resolve_settings` and :func:`requested_settings`. Imports :mod:`.constants` (and, lazily,
 :mod:`vllm_treespec.config`).
 """
 
@@ -23,6 +23,17 @@ class AscendTreeSettings:
     full_graph: bool      # capture tree verify in FULL ACL graphs
 
 
+# Values of the Ascend-only variables that ask for nothing (also what unset means).
+DEFAULTS = {VARIANT_ENV: FULL_MASK, FULL_GRAPH_ENV: "0"}
+
+
+def requested_settings(environ: dict[str, str]) -> list[str]:
+    """``$NAME='value'`` of each Ascend-only variable set to other than its
+    default (on another platform it would be ignored)."""
+    return [f"${name}={environ[name]!r}" for name, default in DEFAULTS.items()
+            if environ.get(name, default) not in ("", default)]
+
+
 def resolve_settings(config_exec_mode: str, environ: dict[str, str]) -> AscendTreeSettings:
     """Settings from the tree config and the environment (the environment wins,
     so a deployment can switch to the debuggable path without editing its
@@ -33,11 +44,11 @@ def resolve_settings(config_exec_mode: str, environ: dict[str, str]) -> AscendTr
     if exec_mode not in EXEC_MODES:
         raise TreeSpecConfigError(f"eagle3_tree: ${EXEC_MODE_ENV} has invalid value "
                                   f"{exec_mode!r}; allowed: {' or '.join(map(repr, EXEC_MODES))}")
-    variant = environ.get(VARIANT_ENV) or FULL_MASK
+    variant = environ.get(VARIANT_ENV) or DEFAULTS[VARIANT_ENV]
     if variant not in VARIANTS:
         raise TreeSpecConfigError(f"eagle3_tree: ${VARIANT_ENV} has invalid value "
                                   f"{variant!r}; allowed: {', '.join(map(repr, VARIANTS))}")
-    flag = environ.get(FULL_GRAPH_ENV, "0")
+    flag = environ.get(FULL_GRAPH_ENV, DEFAULTS[FULL_GRAPH_ENV])
     if flag not in ("0", "1"):
         raise TreeSpecConfigError(f"eagle3_tree: ${FULL_GRAPH_ENV} has invalid value "
                                   f"{flag!r}; allowed: '0' or '1'")
