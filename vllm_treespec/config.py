@@ -30,6 +30,7 @@ NUM_NODES_RANGE = (1, 256)
 DEPTH_RANGE = (1, 32)
 TOP_K_RANGE = (1, 64)
 EXEC_MODES = ("reference", "fused")
+DRAFT_MODES = ("sequential", "parallel")
 
 
 class TreeSpecConfigError(ValueError):
@@ -84,6 +85,7 @@ _ALLOWED = {
     "depth": "an integer in [{}, {}]".format(*DEPTH_RANGE),
     "top_k": "an integer in [{}, {}]".format(*TOP_K_RANGE),
     "exec_mode": " or ".join(repr(m) for m in EXEC_MODES),
+    "draft": " or ".join(repr(m) for m in DRAFT_MODES),
     "validate_invariants": "true or false",
     "adaptive": "true or false",
     "trace_dir": "a directory path (string) or null",
@@ -122,6 +124,10 @@ class TreeSpecConfig(BaseModel):
     adaptive: size each step's trees with a live cost model (fewer nodes, a
         shallower tree, or no speculation at all as the batch grows); with
         false, every request gets the full ``num_nodes``/``depth`` tree.
+    draft: ``sequential`` (one drafter forward per tree level, EAGLE-3) or
+        ``parallel`` (one forward for the whole tree: a head trained for
+        parallel drafting, P-EAGLE, gives the marginal of every depth at once,
+        and the tree ranks paths by the product of the marginals).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -135,6 +141,7 @@ class TreeSpecConfig(BaseModel):
     validate_invariants: StrictBool = False
     trace_dir: StrictStr | None = Field(None, min_length=1)
     adaptive: StrictBool = True
+    draft: Literal[DRAFT_MODES] = "sequential"  # type: ignore[valid-type]
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.
@@ -150,6 +157,9 @@ class TreeSpecConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> "TreeSpecConfig":
+        if self.choices is not None and self.draft == "parallel":
+            raise _fail("draft", self.draft, "'sequential' with 'choices' (a static tree "
+                        "ranks children per node; parallel drafting gives one ranking per depth)")
         if self.choices is not None:
             paths = self.choices
             for key, implied in (("num_nodes", len(paths)),

@@ -7,9 +7,11 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
        "n_per_prompt": int, "schedule": {"off_steps", "period", "mode", "chain"?} | null,
        "draft_faults": N | null (every N-th drafter forward raises),
-       "stream_seeded_plain_steps": bool (negative control of seeded reproduction)}
+       "stream_seeded_plain_steps": bool (negative control of seeded reproduction),
+       "record_proposals": bool (stock or tree drafter)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
+       "proposals": {"prompt hash@root position": [draft tokens]} | null,
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
        "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
 
@@ -47,6 +49,8 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(oracle.break_stochastic_acceptance)
     if spec.get("stream_seeded_plain_steps") and tree_mode:
         llm.collective_rpc(oracle.stream_seeded_plain_steps)
+    if spec.get("record_proposals"):
+        llm.collective_rpc(oracle.record_proposals)
     if spec.get("draft_faults") and tree_mode:
         llm.collective_rpc(oracle.inject_draft_faults, args=(spec["draft_faults"],))
     if spec.get("vllm_zero_drafts") and tree_mode:
@@ -75,6 +79,8 @@ def main(spec_path: str, out_path: str) -> None:
         raise RuntimeError(f"{tree['draft_faults']} drafting step(s) raised; see the log")
     drafts = (llm.collective_rpc(oracle.recorded_drafts)[0]
               if spec.get("schedule") and tree_mode else None)
+    proposals = (llm.collective_rpc(oracle.recorded_proposals)[0]
+                 if spec.get("record_proposals") else None)
     metrics = llm.get_metrics()
 
     def counter(name: str) -> float:
@@ -85,6 +91,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
+                   "proposals": proposals,
                    "preemptions": counter("vllm:num_preemptions"),
                    "prefix_cache_hits": counter("vllm:prefix_cache_hits"),
                    "spec_decode": {

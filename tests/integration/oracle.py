@@ -256,6 +256,34 @@ def recorded_drafts(worker) -> dict:
             "caught_up": worker.model_runner.drafter.catch_up_tokens}
 
 
+def record_proposals(worker) -> bool:
+    """collective_rpc target: record every request's draft tokens per root position
+    (stock vLLM's proposer or the tree's alike), keyed by prompt hash@root."""
+    runner = worker.model_runner
+    drafter = runner.drafter
+    original = drafter.propose
+    record: dict[str, list[int]] = {}
+
+    def propose(self, *args, **kwargs):
+        drafts = original(*args, **kwargs)
+        root = root_positions(kwargs)
+        rows = drafts.tolist() if hasattr(drafts, "tolist") else drafts
+        for b, req_id in enumerate(runner.input_batch.req_ids[:len(root)]):
+            prompt = ",".join(map(str, runner.requests[req_id].prompt_token_ids))
+            key = hashlib.sha256(prompt.encode()).hexdigest()[:12]
+            record[f"{key}@{int(root[b])}"] = list(rows[b])
+        return drafts
+
+    drafter.propose = types.MethodType(propose, drafter)
+    worker._treespec_proposals = record
+    return True
+
+
+def recorded_proposals(worker) -> dict:
+    """collective_rpc target: what ``record_proposals`` recorded."""
+    return worker._treespec_proposals
+
+
 def inject_draft_faults(worker, every: int) -> bool:
     """collective_rpc target: every ``every``-th forward of the drafter model
     raises (first pass, tree level or catch-up alike)."""

@@ -93,3 +93,70 @@ def test_checkpoint_layout_matches_vllm_eagle3(tmp_path):
     assert torch.equal(back.d2t, m.d2t) and torch.equal(back.t2d, m.t2d)
     torch.testing.assert_close(back.fc.weight, m.fc.weight.to(torch.bfloat16).float())
     assert DrafterConfig.from_hf_dict(cfg) == m.cfg
+
+
+def tiny_parallel_model(seed=0) -> Eagle3Drafter:
+    m = tiny_model(seed)
+    m.enable_parallel(pard_token=7, slots=4, init_state=torch.randn(96))
+    return m.eval()
+
+
+def causal_parallel_reference(m: Eagle3Drafter, aux, tokens, t: int, K: int) -> list:
+    """What vLLM's parallel drafting computes at start ``t``, written as a plain causal
+    pass over one sequence: rows 0..t (token x_{s+1}, state fc(aux_s)) followed by
+    K - 1 slots (pard_token, fc(mask_hidden)) at positions t+1..t+K-1."""
+    layer, attn = m.midlayer, m.midlayer.self_attn
+    n = t + K
+    emb = torch.cat([m.embed_tokens(tokens[1 : t + 2]),
+                     m.embed_tokens.weight[m.cfg.pard_token].expand(K - 1, -1)])[None]
+    hidden = torch.cat([m.fc(aux[: t + 1]), m.fc(m.mask_hidden).expand(K - 1, -1)])[None]
+    x = layer.attn_input(emb, hidden)
+    cos, sin = m.rope(torch.arange(n)[None], x)
+    q, k, v = attn.qkv(x, cos, sin)
+    o = torch.nn.functional.scaled_dot_product_attention(q, attn.expand(k), attn.expand(v),
+                                                         is_causal=True)
+    o = attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+    return list(m.logits(layer.finish(o, hidden))[0, t:])
+
+
+def test_parallel_ttt_forward_equals_one_causal_pass_per_start():
+    """Row t of slot j == vLLM's layout for a request whose last verified row is t,
+    for every t at once; tokens after x_{t+1} must not matter."""
+    m = tiny_parallel_model()
+    K, L = 4, 19
+    aux = torch.randn(2, L, 96) * 2
+    toks = torch.randint(0, 100, (2, L + K))
+    with torch.no_grad():
+        out = m.ttt_forward(aux, toks, K, parallel=True)
+        scrambled = toks.clone()
+        scrambled[:, L + 1 :] = torch.randint(0, 100, scrambled[:, L + 1 :].shape)
+        again = m.ttt_forward(aux, scrambled, K, parallel=True)
+        for b in range(2):
+            for t in range(L):
+                ref = causal_parallel_reference(m, aux[b], toks[b], t, K)
+                for j in range(K):
+                    torch.testing.assert_close(out[j][b, t], ref[j], atol=2e-5, rtol=1e-4)
+        sequential = m.ttt_forward(aux, toks, K)
+    for j in range(K):
+        torch.testing.assert_close(again[j], out[j])
+    torch.testing.assert_close(sequential[0], out[0])  # the first draft is the same pass
+    assert not torch.allclose(sequential[1], out[1])  # the slots are not the chain's steps
+    m2 = tiny_parallel_model()
+    drafts = m2.draft_parallel(aux[0], toks[0], 10, K)
+    assert drafts == [int(m2.draft_ids[out[j][0, 10].argmax()]) for j in range(K)]
+
+
+def test_parallel_checkpoint_carries_pard_token_and_mask_hidden(tmp_path):
+    m = tiny_parallel_model()
+    m.save_checkpoint(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["pard_token"] == 7 and cfg["parallel_drafting_slots"] == 4
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert tuple(f.get_slice("mask_hidden").get_shape()) == (1, 96)  # vLLM: (1, fc input)
+    back = Eagle3Drafter.load_checkpoint(tmp_path, embed_weight=m.embed_tokens.weight)
+    torch.testing.assert_close(back.mask_hidden, m.mask_hidden)
+    assert back.cfg == m.cfg and back.cfg.parallel
+    sequential = json.loads(json.dumps(cfg))
+    for key in ("pard_token", "parallel_drafting_slots"):
+        sequential.pop(key)
+    assert not DrafterConfig.from_hf_dict(sequential).parallel

@@ -85,6 +85,22 @@ def test_training_continues_from_an_exported_head(run, tmp_path):
     from vllm_treespec.train.vocab import load_vocab
 
     assert list(load_vocab(work / "vocab.safetensors")) == list(load_vocab(run["work"] / "vocab.safetensors"))
+    # --parallel K from the same head: slots and their stand-in state are added and
+    # trained, and the export is a parallel-drafting checkpoint.
+    parallel_out, parallel_work = tmp_path / "parallel", tmp_path / "parallel_work"
+    parallel_work.mkdir()
+    (parallel_work / "data").symlink_to(run["work"] / "data")
+    (parallel_work / "vocab.safetensors").symlink_to(work / "vocab.safetensors")
+    common = [parallel_out.as_posix() if a == str(run["out"]) else
+              parallel_work.as_posix() if a == str(work) else a for a in common]
+    _cli(common + ["--stages", "train,export", "--init", str(run["out"]), "--parallel", "3",
+                   "--pard-token", "5", "--dtype", "float32"], tmp_path / "log.txt")
+    config = json.loads((parallel_out / "config.json").read_text())
+    assert config["pard_token"] == 5 and config["parallel_drafting_slots"] == 3
+    from vllm_treespec.train.model import Eagle3Drafter
+
+    head = Eagle3Drafter.load_checkpoint(parallel_out)
+    assert head.cfg.parallel and head.mask_hidden.shape == (1, 3 * 576)
     cfg = TrainConfig(target=str(run["target"]), aux_layers=(2, 15, 27), init=str(run["out"]))
     with pytest.raises(ValueError, match="draft vocabulary differ"):
         other = tmp_path / "other"

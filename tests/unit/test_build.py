@@ -78,6 +78,37 @@ def test_dynamic_tree_matches_eagle_expand_and_rerank(K, D, data):
             assert s[i] < s[int(tree.parent[b, i])]
 
 
+@given(K=st.integers(1, 4), D=st.integers(1, 5), data=st.data())
+def test_a_tree_from_per_depth_marginals_is_eagle_with_the_marginal_at_every_node(K, D, data):
+    """Parallel drafting: every node of depth d expands with depth d + 1's marginal;
+    the result is EAGLE's expand + rerank on those draws, a path scores the sum of
+    its marginals, and width 1 keeps the greedy chain of argmaxes."""
+    max_m = K + (D - 1) * K * K
+    M = data.draw(st.integers(max(D, 1) if D <= max_m else 1, max_m))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    B, V = 3, 11
+    root = torch.randn(B, V, generator=gen).log_softmax(-1)
+    marginals = torch.randn(B, max(D - 1, 1), V, generator=gen).log_softmax(-1)
+    builder = DynamicTreeBuilder(B, K, D, M)
+    builder.grow_from_marginals(builder.first_level(root), marginals)
+    tree = builder.finish(torch.arange(B))
+    tree.validate(vocab_size=V)
+    draws = [root] + [marginals[:, d:d + 1].expand(-1, K, -1) for d in range(D - 1)]
+    for b in range(B):
+        assert tree_paths(tree, b) == naive_dynamic(draws, b, K, D, M)
+        for i in range(1, M + 1):
+            depth = int(tree.depth[b, i])
+            path = tree.token[b, tree.ancestors[b, i, 1:depth + 1]]
+            expected = root[b, path[0]] + sum(marginals[b, d - 1, path[d]] for d in range(1, depth))
+            assert math.isclose(float(tree.score[b, i]), float(expected), abs_tol=1e-4)
+    chain = DynamicTreeBuilder(B, K, D, D)
+    chain.grow_from_marginals(chain.first_level(root), marginals, width=1)
+    greedy = chain.finish(torch.arange(B), chain_only=True)
+    for b in range(B):
+        argmaxes = [int(root[b].argmax())] + [int(marginals[b, d].argmax()) for d in range(D - 1)]
+        assert greedy.token[b, 1:D + 1].tolist() == argmaxes
+
+
 def naive_greedy_chain(draws, b, K, D):
     """Best child of the chain's tip at each level, while the tip is expanded."""
     frontier = [(s, (t,)) for s, t in zip(*torch.topk(draws[0][b], K))]

@@ -25,6 +25,8 @@ def test_defaults_are_valid_and_round_trip():
     ({"num_nodes": 64, "depth": 1, "top_k": 8}, "num_nodes", "64", "at most 8 candidates"),
     ({"exec_mode": "fast"}, "exec_mode", "'fast'", "'reference' or 'fused'"),
     ({"validate_invariants": "yes"}, "validate_invariants", "'yes'", "true or false"),
+    ({"draft": "medusa"}, "draft", "'medusa'", "'sequential' or 'parallel'"),
+    ({"draft": "parallel", "choices": [[0], [1]]}, "draft", "'parallel'", "'sequential' with 'choices'"),
     ({"choices": []}, "choices", "[]", "non-empty list"),
     ({"choices": [[0], [1, 0]]}, "choices[1]", "[1, 0]", "parent path [1]"),
     ({"choices": [[0], [0]]}, "choices[1]", "[0]", "each path at most once"),

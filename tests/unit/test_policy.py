@@ -404,6 +404,32 @@ def test_a_depth_one_step_pays_the_fixed_drafting_work():
         gain / step * fixed.step_cost(1), rel=1e-3)
 
 
+def test_parallel_drafting_prices_one_forward_for_all_depths():
+    """With parallel drafting a depth-d step runs the first pass and one forward of
+    d - 1 slots a request, not d - 1 levels: deep trees cost about what shallow
+    ones do, so with the same acceptance the plan goes deeper."""
+    sequential, parallel = policy(), policy()
+    parallel.parallel = True
+    for _ in range(20):
+        sequential.observe_draft(2, 0.001, levels=5, nodes_forwarded=40, levels_s=0.030,
+                                 batch=1)
+        parallel.observe_draft(2, 0.001, levels=1, nodes_forwarded=5, levels_s=0.007,
+                               batch=1)
+    assert parallel.level_cost(5) == pytest.approx(0.007, rel=0.05)
+    # Depth 6 as a chain, by hand: first pass + one forward of 5 slots.
+    gain = 1.0 + sum(parallel.chain_accepted_at[:6])
+    step = parallel.step_cost(7) + parallel.first_pass_cost(7) + parallel.level_cost(5)
+    assert parallel.predicted_ratio(1, 6, chain=True) == pytest.approx(
+        gain / step * parallel.step_cost(1), rel=1e-3)
+    assert parallel.predicted_ratio(1, 6) > sequential.predicted_ratio(1, 6) + 0.1
+    assert parallel.plan_depth(1) >= sequential.plan_depth(1)
+    # Depth 1 runs no slot forward.
+    assert parallel.predicted_ratio(1, 1, chain=True) == pytest.approx(
+        (1.0 + parallel.chain_accepted_at[0])
+        / (parallel.step_cost(2) + parallel.first_pass_cost(2)) * parallel.step_cost(1),
+        rel=1e-3)
+
+
 def test_drafting_steps_that_verify_nothing_count_as_no_gain():
     """The selection may keep no node on most steps (an unconfident drafter): those
     steps still paid for drafting. If only the verified (confident) steps fed the

@@ -135,6 +135,30 @@ def test_a_draft_vocabulary_map_beyond_the_target_is_refused(drafter_copy):
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
 
 
+def test_parallel_drafting_needs_a_head_trained_for_it(drafter_copy):
+    """"draft": "parallel": pard_token in config.json, mask_hidden in the weights
+    (sized like fc's input), and at least as many trained slots as the depth."""
+    from safetensors.torch import load_file, save_file
+
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)  # fine sequentially
+    with pytest.raises(TreeSpecConfigError, match="no integer 'pard_token'.*--parallel K"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=4)
+    _edit_config(drafter_copy, pard_token=0, parallel_drafting_slots=4)
+    with pytest.raises(TreeSpecConfigError, match="no 'mask_hidden' tensor"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=4)
+    weights = load_file(drafter_copy / "model.safetensors")
+    weights["mask_hidden"] = torch.zeros(1, 3 * 576)
+    save_file(weights, drafter_copy / "model.safetensors")
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=4)
+    with pytest.raises(TreeSpecConfigError,
+                       match=r"key 'depth' has invalid value 5; allowed: an integer in \[1, 4\]"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=5)
+    weights["mask_hidden"] = torch.zeros(1, 576)
+    save_file(weights, drafter_copy / "model.safetensors")
+    with pytest.raises(TreeSpecConfigError, match=r"mask_hidden has shape \[1, 576\]"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=4)
+
+
 def test_a_speculators_format_config_is_read_one_level_down(drafter_copy):
     config = json.loads((drafter_copy / "config.json").read_text())
     layer = {k: config.pop(k) for k in ("hidden_size", "vocab_size")}

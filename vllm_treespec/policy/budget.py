@@ -87,9 +87,13 @@ class AdaptiveBudget:
     BRANCH_EXTRA_DECAY = 0.01
 
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
-                 probe_every: int = 32, seed: int = 0, chains: bool = True):
+                 probe_every: int = 32, seed: int = 0, chains: bool = True,
+                 parallel: bool = False):
         self.M, self.D, self.K = num_nodes, depth, width
         self.chains = chains  # price the greedy chain too (no: a static topology)
+        # Parallel drafting: all depths below the first come from one forward of
+        # depth - 1 slots per request (level_cost vs B * (depth - 1)), whatever the width.
+        self.parallel = parallel
         self.margin = margin
         self.probes = ProbeSchedule(probe_every)
         self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
@@ -323,9 +327,15 @@ class AdaptiveBudget:
         if one is None:
             one = self.level_cost(batch)
         levels = {self.K: wide or 0.0, 1: one or 0.0}
-        per_level = np.array([[levels[self._tree_level_width(d)], levels[1]]
-                              for d in range(1, D + 1)])
-        draft = first + (self.draft_overhead(batch) or 0.0) + per_level * (depths - 1)[:, None]
+        if self.parallel:
+            slots = self.level_cost.values(batch * (depths - 1))
+            slots = np.zeros(D) if slots is None else np.where(depths > 1, slots, 0.0)
+            all_levels = np.stack([slots, slots], 1)
+        else:
+            per_level = np.array([[levels[self._tree_level_width(d)], levels[1]]
+                                  for d in range(1, D + 1)])
+            all_levels = per_level * (depths - 1)[:, None]
+        draft = first + (self.draft_overhead(batch) or 0.0) + all_levels
         gain = 1.0 + np.cumsum(np.array([self.accepted_at, self.chain_accepted_at]).T, 0)
         return gain / (verify + draft) * plain
 

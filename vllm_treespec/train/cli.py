@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-hours", type=float, default=None,
                    help="stop training after this many hours of compute (resumable)")
     t.add_argument("--ttt-steps", type=int, default=4, help="unrolled drafting steps (training-time test)")
+    t.add_argument("--parallel", type=int, default=None, metavar="K",
+                   help="train a parallel-drafting (P-EAGLE) head with K draft slots per forward "
+                   "(vLLM: \"parallel_drafting\": true; eagle3_tree: \"draft\": \"parallel\"); "
+                   "replaces --ttt-steps")
+    t.add_argument("--pard-token", type=int, default=0,
+                   help="with --parallel: the token id the slots read (its embedding is fixed, "
+                   "the slots' state is learnt)")
     t.add_argument("--step-decay", type=float, default=0.8, help="loss weight decay per unrolled step")
     t.add_argument("--hard-weight", type=float, default=0.1, help="weight of the hard top-1 loss term")
     t.add_argument("--tokens-per-batch", type=int, default=4096)

@@ -28,6 +28,15 @@ class DrafterConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Parallel drafting (P-EAGLE): the input token of the K - 1 slots after the
+    # bonus token (``pard_token`` in config.json, what vLLM reads), and how many
+    # draft positions the head was trained for (ours; vLLM ignores it).
+    pard_token: int | None = None
+    parallel_slots: int = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.pard_token is not None
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layers) -> "DrafterConfig":
@@ -101,6 +110,9 @@ class DrafterConfig:
             d["bos_token_id"] = self.bos_token_id
         if self.eos_token_id is not None:
             d["eos_token_id"] = self.eos_token_id
+        if self.parallel:
+            d["pard_token"] = self.pard_token
+            d["parallel_drafting_slots"] = self.parallel_slots
         return d
 
     @classmethod
@@ -122,4 +134,6 @@ class DrafterConfig:
             hidden_act=d.get("hidden_act", "silu"),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            pard_token=d.get("pard_token"),
+            parallel_slots=int(d.get("parallel_drafting_slots", 0)),
         )

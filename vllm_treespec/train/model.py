@@ -26,10 +26,21 @@ that starts at the last verified position ``t``:
 of a sequence at once (training-time test), and :meth:`Eagle3Drafter.draft_chain`
 runs it step by step like the engine; tests check that the two agree and
 that ``draft_chain`` reproduces vLLM's own draft tokens.
+
+Parallel drafting (P-EAGLE; vLLM ``"parallel_drafting": true``): one forward
+proposes K drafts. Behind step 1's rows come K - 1 slots at positions
+``t + 1 .. t + K - 1`` whose input token is ``pard_token`` and whose state is
+``fc(mask_hidden)``, a learned stand-in for the unknown intermediate tokens;
+attention is causal over the request, so slot ``k`` sees step 1's keys at rows
+``<= t`` and slots ``1 .. k``. Slot ``k``'s logits are the marginal of draft
+``k + 1``, not conditioned on the earlier drafts. ``ttt_forward(...,
+parallel=True)`` computes this for every start row at once (same labels as the
+sequential recurrence).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -129,6 +140,16 @@ class Eagle3Drafter(nn.Module):
         if embed_weight is not None:
             self.embed_tokens.weight.data.copy_(embed_weight)
         self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        if cfg.parallel:
+            # vLLM reads it as a (1, fc input size) buffer and projects it through fc.
+            self.mask_hidden = nn.Parameter(torch.zeros(1, n_aux * cfg.target_hidden_size))
+
+    def enable_parallel(self, pard_token: int, slots: int, init_state: torch.Tensor) -> None:
+        """Turn a sequential head into a parallel-drafting one: slots' token and a
+        learned stand-in state, started at ``init_state`` (e.g. the mean auxiliary
+        state: an all-zero state sits where hidden_norm's gradient blows up)."""
+        self.cfg = dataclasses.replace(self.cfg, pard_token=int(pard_token), parallel_slots=int(slots))
+        self.mask_hidden = nn.Parameter(init_state.reshape(1, -1).to(self.fc.weight).clone())
 
     # -- vocabulary --------------------------------------------------------
     def set_vocab(self, draft_ids: torch.Tensor) -> None:
@@ -154,7 +175,8 @@ class Eagle3Drafter(nn.Module):
 
     # -- training-time test ----------------------------------------------------
     def ttt_forward(self, aux: torch.Tensor, tokens: torch.Tensor, num_steps: int,
-                    feed_hidden: str = "prenorm", return_states: bool = False):
+                    feed_hidden: str = "prenorm", return_states: bool = False,
+                    parallel: bool = False):
         """Unrolled drafting for every start row at once.
 
         aux:    [B, L, A*d] target auxiliary states at positions 0..L-1
@@ -163,7 +185,10 @@ class Eagle3Drafter(nn.Module):
         (or, with ``return_states``, the normed states the head reads, so a caller
         can apply ``lm_head`` to the rows it needs only); row t of step j is the
         engine's j-th draft for a chain starting at t, i.e. a prediction of
-        x_{t+j+1}, computed at position t+j-1 from token x_{t+j}.
+        x_{t+j+1}, computed at position t+j-1 from token x_{t+j}. With
+        ``parallel``, steps j >= 2 are the parallel-drafting slots instead (their
+        input is ``pard_token`` and ``fc(mask_hidden)``, not x_{t+j} and step j-1's
+        state); only ``tokens[:, : L + 1]`` is read then.
         """
         B, L, _ = aux.shape
         layer, attn = self.midlayer, self.midlayer.self_attn
@@ -171,7 +196,11 @@ class Eagle3Drafter(nn.Module):
         hidden = self.fc(aux)
         keys, values, out = [], [], []
         for j in range(1, num_steps + 1):
-            emb = self.embed_tokens(tokens[:, j : j + L])
+            if parallel and j >= 2:
+                emb = self.embed_tokens.weight[self.cfg.pard_token].expand(B, L, -1)
+                hidden = self.fc(self.mask_hidden).expand(B, L, -1)
+            else:
+                emb = self.embed_tokens(tokens[:, j : j + L])
             x = layer.attn_input(emb, hidden)
             cos, sin = self.rope(base_pos + (j - 1), x)
             q, k, v = attn.qkv(x, cos, sin)
@@ -240,6 +269,17 @@ class Eagle3Drafter(nn.Module):
             drafts.append(tok)
             hidden = pre if feed_hidden == "prenorm" else post
         return (drafts, all_logits) if return_logits else drafts
+
+    @torch.no_grad()
+    def draft_parallel(self, aux: torch.Tensor, tokens: torch.Tensor, start: int,
+                       num_slots: int) -> list[int]:
+        """The ``num_slots`` greedy target-vocabulary drafts of one parallel-drafting
+        forward at ``start`` (each the argmax of its own marginal), as vLLM proposes them."""
+        L = start + 1
+        toks = torch.zeros(1, L + num_slots, dtype=torch.long, device=aux.device)
+        toks[0, : L + 1] = tokens[: L + 1]
+        out = self.ttt_forward(aux[None, :L], toks, num_slots, parallel=True)
+        return [int(self.to_target_ids(lg[0, start].argmax())) for lg in out]
 
     # -- checkpoint ------------------------------------------------------------
     def export_state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -47,6 +47,8 @@ class TrainConfig:
     aux_layers: tuple[int, ...]
     seed: int = 0
     ttt_steps: int = 4
+    parallel: bool = False  # train the ttt_steps drafts as parallel-drafting slots (P-EAGLE)
+    pard_token: int = 0  # the slots' input token (its embedding is the target's, fixed)
     step_decay: float = 0.8
     hard_weight: float = 0.1
     tokens_per_batch: int = 4096
@@ -70,8 +72,11 @@ class TrainConfig:
 
     @classmethod
     def from_args(cls, args, target: str, aux_layers, deadline: float | None = None) -> "TrainConfig":
+        parallel = getattr(args, "parallel", None)
         return cls(
-            target=target, aux_layers=tuple(aux_layers), seed=args.seed, ttt_steps=args.ttt_steps,
+            target=target, aux_layers=tuple(aux_layers), seed=args.seed,
+            ttt_steps=parallel or args.ttt_steps, parallel=bool(parallel),
+            pard_token=getattr(args, "pard_token", 0),
             step_decay=args.step_decay, hard_weight=args.hard_weight,
             tokens_per_batch=args.tokens_per_batch, max_seq_len=args.max_seq_len, lr=args.lr,
             warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -89,7 +94,8 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 def step_losses(model: Eagle3Drafter, head_d: torch.Tensor, batch: Batch, cfg: TrainConfig):
     """Weighted loss and per-step statistics (loss, top-1 agreement, rows) for one batch."""
-    states = model.ttt_forward(batch.aux, batch.tokens, cfg.ttt_steps, return_states=True)
+    states = model.ttt_forward(batch.aux, batch.tokens, cfg.ttt_steps, return_states=True,
+                               parallel=cfg.parallel)
     B, L = batch.aux.shape[:2]
     pos = torch.arange(L, device=batch.aux.device)[None]
     # The target's distribution at every label position, computed once and
@@ -136,7 +142,8 @@ def evaluate(model: Eagle3Drafter, seqs, cfg: TrainConfig, device) -> dict:
     for i in range(0, len(seqs), 8):
         group = seqs[i : i + 8]
         batch = collate(group, K).to(device)
-        states = model.ttt_forward(batch.aux, batch.tokens, K, return_states=True)
+        states = model.ttt_forward(batch.aux, batch.tokens, K, return_states=True,
+                                   parallel=cfg.parallel)
         L = batch.aux.shape[1]
         t = torch.arange(L, device=device)[None]
         matches = []
@@ -212,8 +219,6 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
     model = build_model(cfg, work, device)
     _, _, head, _ = load_target_head(cfg.target)
     head_d = head[model.draft_ids.cpu()].to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
     shards = shard_files(data_dir)
     if not shards:
@@ -222,6 +227,16 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
     eval_seqs, eval_idx = split_eval(first, cfg.eval_seqs)
     eval_exclude = {(shards[0].name, i) for i in eval_idx}
     del first
+    if cfg.parallel and not model.cfg.parallel:
+        # The slots' stand-in state starts as the mean auxiliary state (a resumed run
+        # overwrites it from its checkpoint below).
+        aux = [torch.from_numpy(s.hidden[:, :-1]).float().flatten(1) for s in eval_seqs]
+        mean_aux = torch.cat(aux).mean(0)
+        model.enable_parallel(cfg.pard_token, cfg.ttt_steps, mean_aux.to(device))
+    elif model.cfg.parallel != cfg.parallel:
+        raise ValueError(f"--init {cfg.init} is a parallel-drafting head; continue it with --parallel")
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
     state = {"step": 0, "epoch": 0, "group": 0, "batch": 0, "shard_order": None, "total_steps": None,
              "best": None, "history": [], "train_seconds": 0.0, "positions": 0}
@@ -368,7 +383,8 @@ def export_best(work: Path, out: Path, dtype: str = "bfloat16", log: Callable[[s
         model.save_checkpoint(out, dtype=getattr(torch, dtype))
     st = ck["state"]
     manifest = {
-        "format": "vLLM LlamaForCausalLMEagle3 (speculative method 'eagle3')",
+        "format": "vLLM LlamaForCausalLMEagle3 (speculative method 'eagle3'"
+                  + (", parallel_drafting)" if ck["config"].get("parallel") else ")"),
         "weights_dtype": dtype,
         "training": {
             "config": ck["config"],

@@ -8,7 +8,10 @@ drafter and the draft tokens it proposed, and then replays each chain with
 :meth:`Eagle3Drafter.draft_chain` on the same inputs. Variants that differ from
 the engine (post-norm feedback, frozen positions, ``fc`` applied at every
 step) are replayed too: they must disagree where the engine's recurrence
-agrees.
+agrees. A parallel-drafting head (``pard_token`` in its config) runs with
+``"parallel_drafting": true`` and is replayed with
+:meth:`Eagle3Drafter.draft_parallel`; the sequential recurrence is its wrong
+variant.
 
 Command line::
 
@@ -30,6 +33,7 @@ VARIANTS = {
     "frozen_positions": {"advance_positions": False},
     "fc_every_step": {"fc_every_step": True},
 }
+PARALLEL_VARIANTS = {"engine": "draft_parallel", "sequential_chain": "draft_chain"}
 
 DEFAULT_PROMPTS = [
     "Explain how a refrigerator keeps food cold.",
@@ -42,7 +46,7 @@ DEFAULT_PROMPTS = [
 
 
 def capture_vllm_drafts(target: str, drafter: str, prompts: list[str], num_spec: int = 4,
-                        max_tokens: int = 96) -> list[dict]:
+                        max_tokens: int = 96, parallel: bool = False) -> list[dict]:
     """Run stock vLLM ``eagle3`` greedily and record each drafting round."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -53,7 +57,8 @@ def capture_vllm_drafts(target: str, drafter: str, prompts: list[str], num_spec:
     llm = LLM(
         target, dtype="float32", max_model_len=1024, max_num_seqs=1, seed=0,
         compilation_config={"mode": 0}, enable_prefix_caching=False,
-        speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": num_spec},
+        speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": num_spec,
+                            "parallel_drafting": parallel},
     )
     runner = _model_runner(llm)
     proposer = runner.drafter
@@ -117,7 +122,11 @@ def plain_greedy(target: str, prompts: list[str], max_tokens: int = 96) -> list[
 def compare(model, captures: list[dict], num_spec: int) -> dict:
     """Per-variant share of vLLM's draft tokens reproduced, per step."""
     result = {}
-    for name, kw in VARIANTS.items():
+    if model.cfg.parallel:
+        variants = {name: (getattr(model, method), {}) for name, method in PARALLEL_VARIANTS.items()}
+    else:
+        variants = {name: (model.draft_chain, kw) for name, kw in VARIANTS.items()}
+    for name, (draft, kw) in variants.items():
         hits = [0] * num_spec
         total = [0] * num_spec
         for cap in captures:
@@ -126,7 +135,7 @@ def compare(model, captures: list[dict], num_spec: int) -> dict:
                 t = r["start"]
                 if t + 1 >= len(toks) or t >= len(cap["aux"]) or int(toks[t + 1]) != r["next"]:
                     continue
-                mine = model.draft_chain(cap["aux"], toks, t, num_spec, **kw)
+                mine = draft(cap["aux"], toks, t, num_spec, **kw)
                 for j, (a, b) in enumerate(zip(mine, r["drafts"])):
                     hits[j] += int(a == b)
                     total[j] += 1
@@ -152,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     from .target_weights import load_target_head
 
     prompts = DEFAULT_PROMPTS[: args.prompts]
-    captures = capture_vllm_drafts(args.target, args.drafter, prompts, args.num_spec, args.max_tokens)
     _, embed, _, _ = load_target_head(args.target)
     model = Eagle3Drafter.load_checkpoint(args.drafter, embed_weight=embed).eval()
+    captures = capture_vllm_drafts(args.target, args.drafter, prompts, args.num_spec, args.max_tokens,
+                                   parallel=model.cfg.parallel)
     res = {"variants": compare(model, captures, args.num_spec)}
     drafts = sum(len(c["rounds"]) for c in captures)
     accepted = sum(len(c["output_ids"]) for c in captures) - drafts  # each round emits accepted + 1

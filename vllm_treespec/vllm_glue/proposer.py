@@ -24,6 +24,8 @@ drafting.
 When the budget says "no drafts" for a decode step, the first pass is skipped
 too and its inputs deferred (``deferred_drafts``); the next drafting step
 catches the drafter's KV up in one batched pass before its own first pass.
+With ``"draft": "parallel"`` the levels are replaced by one forward of
+parallel-drafting slots (``parallel_drafts``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBui
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
+from vllm_treespec.vllm_glue.parallel_drafts import ParallelDrafting
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 logger = logging.getLogger("vllm.treespec")
@@ -69,7 +72,7 @@ class ProposedTree:
     probs: list[float]  # draft probability of reaching each node (exp of its score)
 
 
-class TreeEagleProposer(PagedDrafting, EagleProposer):
+class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
@@ -98,6 +101,11 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
         self.catch_up_tokens = 0
         self.faults = 0  # drafting steps that raised (see propose)
         self._last_fault_log = 0.0
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        if self.tree_cfg.draft == "parallel":
+            self._load_parallel_state()
 
     # ------------------------------------------------------------------ drafts
     def _draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -233,6 +241,11 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
                         and depth - 1 <= self.tree_cfg.num_nodes  # the scheduler's lookahead
                         and max_prefix + depth - 2 < self.max_model_len)  # deepest tip
         t_levels = time.perf_counter()
+        if self.slot_state is not None and not builder.done:  # one forward, all depths
+            marginals = self._parallel_marginals(batch_size, depth - 1, prefix_len, max_prefix,
+                                                 block_table, side_capacity, scratch)
+            levels_run, nodes_forwarded = 1, batch_size * (depth - 1)
+            builder.grow_from_marginals(level, marginals, width_cap)
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
             F = level.tokens.shape[1]
@@ -299,7 +312,8 @@ class TreeEagleProposer(PagedDrafting, EagleProposer):
             self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest,
-                                      one_wide=dynamic and width_cap == 1)
+                                      one_wide=(dynamic and width_cap == 1
+                                                and self.slot_state is None))
         return self._finish_step(drafts, t0)
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:

@@ -60,7 +60,8 @@ class TreeRunnerMixin(StepCostCalibration):
             cfg = self.tree_cfg
             # A static topology fixes the tree: no chain mode to price.
             self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.max_children,
-                                              chains=not cfg.is_static)
+                                              chains=not cfg.is_static,
+                                              parallel=cfg.draft == "parallel")
             self.drafter.policy = self.tree_policy
         self._step_start: float | None = None
         self._step_tokens = 0

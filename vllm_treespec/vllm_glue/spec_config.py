@@ -192,7 +192,8 @@ def patch_engine_args() -> None:
             support.check_vllm_version(getattr(vllm, "__version__", "unknown"))
             stock, tree = translate(spec, _stock_keys())
             target = kwargs.get("target_model_config", args[0] if args else None)
-            support.check_drafter(str(stock["model"]), target.hf_text_config)
+            support.check_drafter(str(stock["model"]), target.hf_text_config,
+                                  parallel_depth=tree.depth if tree.draft == "parallel" else None)
             if getattr(self, "async_scheduling", None):
                 raise TreeSpecConfigError(
                     f"{METHOD}: engine argument 'async_scheduling' has invalid value "

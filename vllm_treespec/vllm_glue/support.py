@@ -25,6 +25,7 @@ the attention backends hand them vLLM's objects.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -60,11 +61,13 @@ def _bad_drafter(where: Path | str, what: str) -> TreeSpecConfigError:
     return TreeSpecConfigError(f"eagle3_tree: drafter {str(where)!r}: {what}")
 
 
-def check_drafter(model: str, target: Any) -> None:
+def check_drafter(model: str, target: Any, parallel_depth: int | None = None) -> None:
     """The drafter named by speculative-config ``model`` fits ``target`` (the
     target's HF text config): without this, a wrong checkpoint fails mid-load
     with a shape error, or loads and drafts from the wrong layers. A name that
-    is not a local path is a hub id, left to vLLM."""
+    is not a local path is a hub id, left to vLLM. With ``parallel_depth`` (the
+    tree depth of ``"draft": "parallel"``), the head must also have been trained
+    for parallel drafting, with at least that many slots."""
     path = Path(model).expanduser()
     if not path.is_dir():
         if path.exists() or path.is_absolute() or model.startswith((".", "~")):
@@ -96,16 +99,36 @@ def check_drafter(model: str, target: Any) -> None:
     if vocab != target.vocab_size:
         raise _bad_drafter(path, f"vocab_size {vocab} in config.json; "
                                  f"the target's vocab_size is {target.vocab_size}")
+    if parallel_depth is not None:
+        _check_parallel_config(path, config, parallel_depth)
     files = sorted(path.glob("*.safetensors"))
     if not files and not any(path.glob("*.bin")):
         raise _bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
-    for file in files:
-        _check_drafter_weights(file, 3 * hidden, target.vocab_size)
+    masks = [_check_drafter_weights(file, 3 * hidden, target.vocab_size) for file in files]
+    if parallel_depth is not None and files and not any(m is not None for m in masks):
+        raise _bad_drafter(path, "no 'mask_hidden' tensor in its weights: not a parallel-"
+                                 "drafting head (\"draft\": \"parallel\" needs one trained "
+                                 "with `vllm-treespec train-drafter --parallel K`)")
 
 
-def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> None:
+def _check_parallel_config(path: Path, config: dict, depth: int) -> None:
+    pard = config.get("pard_token")
+    if isinstance(pard, bool) or not isinstance(pard, int):
+        raise _bad_drafter(path, "no integer 'pard_token' in config.json: not trained for "
+                                 "parallel drafting; use \"draft\": \"sequential\" or a head "
+                                 "trained with `vllm-treespec train-drafter --parallel K`")
+    slots = config.get("parallel_drafting_slots")
+    if isinstance(slots, int) and not isinstance(slots, bool) and depth > slots:
+        raise TreeSpecConfigError(
+            f"eagle3_tree: speculative-config key 'depth' has invalid value {depth}; allowed: "
+            f"an integer in [1, {slots}] (the drafter {str(path)!r} was trained for "
+            f"{slots} parallel-drafting slots)")
+
+
+def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> Any:
     """Readable (a truncated copy fails here), fc sized for three target hidden
-    states, and every draft token mapped (``d2t``) into the target vocabulary."""
+    states, every draft token mapped (``d2t``) into the target vocabulary, and a
+    parallel-drafting state (``mask_hidden``, returned) sized like fc's input."""
     import torch
     from safetensors import safe_open
 
@@ -114,6 +137,8 @@ def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> None:
             keys = set(weights.keys())
             fc = weights.get_slice("fc.weight").get_shape() if "fc.weight" in keys else None
             d2t = weights.get_tensor("d2t") if "d2t" in keys else None
+            mask = (weights.get_slice("mask_hidden").get_shape() if "mask_hidden" in keys
+                    else None)
     except Exception as e:  # safetensors raises its own error types
         raise _bad_drafter(file, f"not a readable safetensors file ({e}); copy or "
                                  f"export the drafter again") from None
@@ -126,6 +151,10 @@ def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> None:
             raise _bad_drafter(file, f"d2t maps draft tokens to target ids "
                                      f"{int(target_ids.min())}..{int(target_ids.max())}; the "
                                      f"target vocabulary is 0..{vocab - 1}")
+    if mask is not None and math.prod(mask) != fc_inputs:
+        raise _bad_drafter(file, f"mask_hidden has shape {list(mask)}; a parallel-drafting "
+                                 f"head of this target needs {fc_inputs} values")
+    return mask
 
 
 def check_engine(vllm_config: Any, num_nodes: int) -> None:
