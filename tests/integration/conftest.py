@@ -73,16 +73,26 @@ def engine_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engines")
 
 
+GREEDY_TOKENS = 128
 SHORT_GREEDY_TOKENS = 64
 
 
 @pytest.fixture(scope="session")
-def short_greedy_reference(target_dir, tokenizer, engine_dir) -> tuple[list, dict]:
-    """(prompts, plain vLLM's greedy run): 8 chat prompts, 64 tokens each."""
+def greedy_reference(target_dir, tokenizer, engine_dir) -> tuple[list, list]:
+    """(prompts, plain vLLM's greedy outputs): the 24 chat prompts, 128 tokens each."""
     from tests.integration.prompts import chat_token_ids
 
-    prompts = chat_token_ids(tokenizer)[:8]
+    prompts = chat_token_ids(tokenizer)
     plain = run_engine({"engine": base_engine(target_dir), "prompts": prompts,
-                        "sampling": {"temperature": 0.0, "max_tokens": SHORT_GREEDY_TOKENS}},
-                       engine_dir, "short_greedy_plain")
-    return prompts, plain
+                        "sampling": {"temperature": 0.0, "max_tokens": GREEDY_TOKENS}},
+                       engine_dir, "greedy_reference")
+    return prompts, [o[0] for o in plain["outputs"]]
+
+
+@pytest.fixture(scope="session")
+def short_greedy_reference(greedy_reference) -> tuple[list, dict]:
+    """(prompts, plain vLLM's greedy run): 8 chat prompts, 64 tokens each — the
+    start of ``greedy_reference`` (greedy fp32 decoding does not depend on how far
+    it goes on), in ``run_engine``'s output layout."""
+    prompts, outputs = greedy_reference
+    return prompts[:8], {"outputs": [[o[:SHORT_GREEDY_TOKENS]] for o in outputs[:8]]}

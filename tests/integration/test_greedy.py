@@ -11,22 +11,18 @@ import json
 
 import pytest
 
-from tests.integration.conftest import base_engine, run_engine
+from tests.integration.conftest import GREEDY_TOKENS, base_engine, run_engine
 from tests.integration.prompts import chat_token_ids
 
 pytestmark = pytest.mark.vllm
 
-MAX_TOKENS = 128
+MAX_TOKENS = GREEDY_TOKENS
 TREE = {"method": "eagle3_tree", "num_nodes": 16, "depth": 6, "top_k": 4, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
-def reference(target_dir, tokenizer, engine_dir):
-    prompts = chat_token_ids(tokenizer)
-    spec = {"engine": base_engine(target_dir), "prompts": prompts,
-            "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}}
-    out = run_engine(spec, engine_dir, "greedy_reference")
-    outputs = [o[0] for o in out["outputs"]]
+def reference(greedy_reference):
+    prompts, outputs = greedy_reference
     return prompts, outputs, {",".join(map(str, p)): o for p, o in zip(prompts, outputs)}
 
 
@@ -60,7 +56,8 @@ def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, re
         # the end, with 16-token blocks, serves its prompt from the cache, so that
         # tree is verified on top of cached KV. (EAGLE makes vLLM recompute the
         # last cached block, so a hit needs two full blocks in common.)
-        prompts, expected = prompts + prompts[:1], expected + expected[:1]
+        # One request at a time: 8 prompts (the batch of 8 runs all 24).
+        prompts, expected = prompts[:8] + prompts[:1], expected[:8] + expected[:1]
         extra = {"block_size": 16}
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=batch,
                      max_num_seqs=batch, **extra)

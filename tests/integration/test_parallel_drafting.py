@@ -51,9 +51,11 @@ def test_one_wide_parallel_tree_drafts_what_stock_parallel_drafting_drafts(
                           "top_k": 1, "num_nodes": K, "depth": K, "adaptive": False}),
             ("tree", {"method": "eagle3_tree", "model": model, "draft": "parallel",
                       "top_k": 4, "num_nodes": 8, "depth": K, "adaptive": False})):
+        # The three requests batched: slots of requests with different prefix lengths
+        # share one forward (greedy: both engines schedule the same batches).
         runs[name] = run_engine({"engine": base_engine(target_dir, speculative_config=spec,
-                                                       max_num_seqs=1),
-                                 "prompts": prompts, "batch": 1, "record_proposals": True,
+                                                       max_num_seqs=3),
+                                 "prompts": prompts, "record_proposals": True,
                                  "sampling": {"temperature": 0.0, "max_tokens": 48}},
                                 engine_dir, f"parallel_{name}")
     stock, one_wide, tree = runs["stock"], runs["one_wide"], runs["tree"]

@@ -42,7 +42,7 @@ def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
     """n samples of every prompt, all in one engine (one batch stream)."""
     # 16-token blocks: the n copies of a prompt share its prefix-cached blocks (vLLM's CPU
     # default of 128 would leave these short prompts uncached and prefill dominating).
-    spec = {"engine": base_engine(target_dir, max_num_seqs=64, seed=seed, block_size=16),
+    spec = {"engine": base_engine(target_dir, max_num_seqs=128, seed=seed, block_size=16),
             "prompts": [p for p in prompts for _ in range(n)],
             "sampling": {"max_tokens": LENGTH, "ignore_eos": True},
             "sampling_per_prompt": [s for s in settings for _ in range(n)]}
@@ -69,8 +69,10 @@ def homogeneity_pvalue(a: list[tuple], b: list[tuple]) -> float:
 @pytest.fixture(scope="module")
 def samples(target_dir, tokenizer, random_drafter, engine_dir):
     prompts = chat_token_ids(tokenizer, PROMPTS)
-    train, _ = draw(target_dir, prompts, SETTINGS, N, engine_dir, "plain_train", seed=1)
-    plain, _ = draw(target_dir, prompts, SETTINGS, N, engine_dir, "plain", seed=2)
+    # One plain engine, 2N draws a prompt (unseeded, i.i.d.): the first N build the
+    # oracle's trie, the other N are the reference sample.
+    both, _ = draw(target_dir, prompts, SETTINGS, 2 * N, engine_dir, "plain", seed=1)
+    train, plain = [b[:N] for b in both], [b[N:] for b in both]
     oracle = {"mode": "trie", "reference": {",".join(map(str, p)): [list(t) for t in tr]
                                             for p, tr in zip(prompts, train)}}
     tree, metrics = draw(target_dir, prompts, SETTINGS, N, engine_dir, "tree", seed=3,

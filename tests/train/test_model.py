@@ -1,5 +1,6 @@
 """The trainable drafter: training-time test equals engine-style drafting; checkpoint format."""
 
+import dataclasses
 import json
 
 import pytest
@@ -160,3 +161,29 @@ def test_parallel_checkpoint_carries_pard_token_and_mask_hidden(tmp_path):
     for key in ("pard_token", "parallel_drafting_slots"):
         sequential.pop(key)
     assert not DrafterConfig.from_hf_dict(sequential).parallel
+
+
+def test_training_makes_or_continues_parallel_slots():
+    """--parallel K: a sequential head gets K slots (stand-in state: the mean
+    auxiliary state); a parallel head keeps its pard_token and is retrained for K
+    slots; a pard_token outside the vocabulary or unlike the head's is refused."""
+    import types
+
+    import numpy as np
+
+    from vllm_treespec.train.trainer import TrainConfig, _make_parallel
+
+    seqs = [types.SimpleNamespace(hidden=np.random.rand(5, 4, 32).astype(np.float16))
+            for _ in range(2)]
+    mean = torch.cat([torch.from_numpy(s.hidden[:, :-1]).float().flatten(1) for s in seqs]).mean(0)
+    cfg = TrainConfig(target="t", aux_layers=(2, 5, 8), parallel=True, ttt_steps=3)
+    m = tiny_model()
+    _make_parallel(m, cfg, seqs, "cpu")
+    assert m.cfg.pard_token == 0 and m.cfg.parallel_slots == 3
+    torch.testing.assert_close(m.mask_hidden[0], mean)
+    _make_parallel(m, dataclasses.replace(cfg, ttt_steps=5), seqs, "cpu")
+    assert m.cfg.pard_token == 0 and m.cfg.parallel_slots == 5
+    with pytest.raises(ValueError, match="was trained with pard_token 0"):
+        _make_parallel(m, dataclasses.replace(cfg, pard_token=3), seqs, "cpu")
+    with pytest.raises(ValueError, match=r"--pard-token 100: a token id in \[0, 99\]"):
+        _make_parallel(tiny_model(), dataclasses.replace(cfg, pard_token=100), seqs, "cpu")

@@ -19,7 +19,8 @@ preempted, ``validate_invariants`` on. Each server then gets, in order:
 It fails (exit 1) on any violation: a valid request that does not complete, an
 invalid one without a 4xx and a message, any 5xx, a dead server, a quiet answer
 that differs from plain vLLM's, an invariant dump in a server log (with
-``--invalid-trees N``, injected faults: then a tree server *without* dumps), a tree
+``--invalid-trees N``, one more server, ``fixed-invalid``, gets injected faults:
+there a tree server *without* dumps, or a fault that cost a whole drafting step), a tree
 server whose resident memory after the load grew more than 10 % of the baseline beyond
 what plain vLLM's grew under the same load, a server whose requests were never
 preempted (the KV cache too large to test preemption), or a greedy mismatch rate
@@ -62,6 +63,8 @@ TREES = {
     "fixed": {"validate_invariants": True, "adaptive": False, "num_nodes": 8, "depth": 3,
               "top_k": 2},
 }
+# With --invalid-trees: the fixed tree again, with every N-th validated tree made invalid.
+FAULT_SERVER = "fixed-invalid"
 BLOCK_SIZE = 128  # the CPU backend's
 RSS_GROWTH_LIMIT = 1.10
 MISMATCH_P_VALUE = 0.01
@@ -85,9 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not count a server whose requests were never preempted as a "
                         "violation (the KV cache was too large to exercise preemption)")
     p.add_argument("--invalid-trees", type=int, default=0, metavar="N",
-                   help="fault injection: every N-th validated drafting step of the tree "
-                        "servers gets an invalid tree; each must then be dumped and served "
-                        "without drafts (dumps are expected, none is a violation)")
+                   help=f"fault injection: one more server, {FAULT_SERVER!r} (the fixed tree), "
+                        "where every N-th validated drafting step gets an invalid tree; each "
+                        "must be dumped and its request served without drafts")
     return p
 
 
@@ -146,7 +149,7 @@ class ServerRun:
 
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
-                drafter: str) -> ServerRun:
+                drafter: str, invalid_trees: int = 0) -> ServerRun:
     serve_args = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
                   "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(args.concurrency),
                   "--num-gpu-blocks-override", str(-(-args.kv_tokens // BLOCK_SIZE))]
@@ -155,10 +158,10 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
     # The KV cache is the blocks override; the space setting only keeps vLLM's CPU
     # backend from reserving most of the machine's memory.
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    if tree is not None and args.invalid_trees:
+    if invalid_trees:
         from vllm_treespec.vllm_glue.proposer import INVALID_TREE_ENV
 
-        env[INVALID_TREE_ENV] = str(args.invalid_trees)
+        env[INVALID_TREE_ENV] = str(invalid_trees)
     with Server(model, serve_args, spec, log, served_name="soak", env=env) as server:
         url = server.base_url
         spec_on = tree is not None
@@ -203,8 +206,7 @@ def greedy_mismatches(mix: list[SoakRequest], a, b) -> tuple[int, int]:
 
 
 def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
-          allow_no_preemption: bool = False, invalid_trees: bool = False
-          ) -> tuple[dict, list[str]]:
+          allow_no_preemption: bool = False) -> tuple[dict, list[str]]:
     from scipy.stats import fisher_exact
 
     plain = runs["plain"]
@@ -220,17 +222,18 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
                                   f"{len(quiet) - same} of {len(quiet)} differ from plain vLLM")
         if not run.healthy_end:
             violations.append(f"{name}: /health failed after the load")
-        unexpected = run.dumps - (run.injected_dumps if invalid_trees else 0)
+        faulty = name == FAULT_SERVER
+        unexpected = run.dumps - (run.injected_dumps if faulty else 0)
         if unexpected:
             violations.append(f"{name}: {unexpected} tree invariant dump(s) in the log")
-        if invalid_trees and name != "plain":
+        if faulty:
             if not run.injected_dumps:
                 violations.append(f"{name}: invalid trees were injected, none was dumped")
             if metric_sum(run.metrics, "vllm_treespec:draft_faults_total"):
                 violations.append(f"{name}: an injected invalid tree failed a whole drafting "
                                   f"step instead of its request's drafts")
         preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
-        if not preemptions and not allow_no_preemption:
+        if not preemptions and not allow_no_preemption and not faulty:
             violations.append(f"{name}: no request was preempted, so the soak did not "
                               f"exercise preemption (lower --kv-tokens)")
         growth = memory_growth(run)
@@ -313,14 +316,18 @@ def main(argv: list[str] | None = None) -> int:
                                             "messages": [{"role": "user", "content": text}]},
                          stream=False, expect="ok") for i, text in enumerate(texts[:args.quiet])]
     runs = {}
-    for name, tree in [("plain", None)] + [(t, TREES[t]) for t in trees]:
+    servers = [("plain", None)] + [(t, TREES[t]) for t in trees]
+    if args.invalid_trees:
+        servers.append((FAULT_SERVER, TREES["fixed"]))
+    for name, tree in servers:
         print(f"[soak] {name}: serving and loading", flush=True)
         warm_sent, mix_sent = (warm, mix) if tree is not None else (
             [r.unseeded() for r in warm], [r.unseeded() for r in mix])
         runs[name] = soak_server(name, tree, args, str(assets.target), quiet=quiet,
                                  warm=warm_sent, mix=mix_sent, out=out,
-                                 drafter=str(assets.drafter))
-    summary, violations = check(runs, mix, args.allow_no_preemption, bool(args.invalid_trees))
+                                 drafter=str(assets.drafter),
+                                 invalid_trees=args.invalid_trees if name == FAULT_SERVER else 0)
+    summary, violations = check(runs, mix, args.allow_no_preemption)
     result = {"args": vars(args), "servers": summary, "violations": violations}
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
     md = markdown(summary, violations, args)

@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train a parallel-drafting (P-EAGLE) head with K draft slots per forward "
                    "(vLLM: \"parallel_drafting\": true; eagle3_tree: \"draft\": \"parallel\"); "
                    "replaces --ttt-steps")
-    t.add_argument("--pard-token", type=int, default=0,
+    t.add_argument("--pard-token", type=int, default=None,
                    help="with --parallel: the token id the slots read (its embedding is fixed, "
-                   "the slots' state is learnt)")
+                   "the slots' state is learnt; default 0, or the --init head's)")
     t.add_argument("--step-decay", type=float, default=0.8, help="loss weight decay per unrolled step")
     t.add_argument("--hard-weight", type=float, default=0.1, help="weight of the hard top-1 loss term")
     t.add_argument("--tokens-per-batch", type=int, default=4096)
@@ -152,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in stages if s not in STAGES]
     if bad:
         print(f"unknown stage(s): {bad}; choose from {STAGES}", file=sys.stderr)
+        return 2
+    if args.parallel is not None and args.parallel < 2:
+        print(f"--parallel {args.parallel}: K is an integer >= 2 (draft slots per forward)",
+              file=sys.stderr)
         return 2
     target = str(Path(args.target).resolve())
     out = Path(args.out).resolve()

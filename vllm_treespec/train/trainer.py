@@ -48,7 +48,9 @@ class TrainConfig:
     seed: int = 0
     ttt_steps: int = 4
     parallel: bool = False  # train the ttt_steps drafts as parallel-drafting slots (P-EAGLE)
-    pard_token: int = 0  # the slots' input token (its embedding is the target's, fixed)
+    # The slots' input token (its embedding is the target's, fixed); None: 0 for a new
+    # parallel head, the head's own when continuing one.
+    pard_token: int | None = None
     step_decay: float = 0.8
     hard_weight: float = 0.1
     tokens_per_batch: int = 4096
@@ -76,7 +78,7 @@ class TrainConfig:
         return cls(
             target=target, aux_layers=tuple(aux_layers), seed=args.seed,
             ttt_steps=parallel or args.ttt_steps, parallel=bool(parallel),
-            pard_token=getattr(args, "pard_token", 0),
+            pard_token=getattr(args, "pard_token", None),
             step_decay=args.step_decay, hard_weight=args.hard_weight,
             tokens_per_batch=args.tokens_per_batch, max_seq_len=args.max_seq_len, lr=args.lr,
             warmup=args.warmup, weight_decay=args.weight_decay, grad_clip=args.grad_clip,
@@ -204,6 +206,23 @@ def build_model(cfg: TrainConfig, work: Path, device) -> Eagle3Drafter:
     return model.to(device)
 
 
+def _make_parallel(model: Eagle3Drafter, cfg: TrainConfig, eval_seqs, device) -> None:
+    """Give the model ``cfg.ttt_steps`` parallel-drafting slots: new ones (their
+    stand-in state starts as the mean auxiliary state; a resumed run overwrites it
+    from its checkpoint), or a parallel head's own, retrained for this many."""
+    vocab = model.cfg.vocab_size
+    if cfg.pard_token is not None and not 0 <= cfg.pard_token < vocab:
+        raise ValueError(f"--pard-token {cfg.pard_token}: a token id in [0, {vocab - 1}]")
+    if model.cfg.parallel:
+        if cfg.pard_token not in (None, model.cfg.pard_token):
+            raise ValueError(f"--pard-token {cfg.pard_token}: --init {cfg.init} was trained with "
+                             f"pard_token {model.cfg.pard_token}; leave it out to continue")
+        model.cfg = dataclasses.replace(model.cfg, parallel_slots=cfg.ttt_steps)
+        return
+    aux = [torch.from_numpy(s.hidden[:, :-1]).float().flatten(1) for s in eval_seqs]
+    model.enable_parallel(cfg.pard_token or 0, cfg.ttt_steps, torch.cat(aux).mean(0).to(device))
+
+
 def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> dict:
     from tqdm import tqdm
 
@@ -227,13 +246,9 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
     eval_seqs, eval_idx = split_eval(first, cfg.eval_seqs)
     eval_exclude = {(shards[0].name, i) for i in eval_idx}
     del first
-    if cfg.parallel and not model.cfg.parallel:
-        # The slots' stand-in state starts as the mean auxiliary state (a resumed run
-        # overwrites it from its checkpoint below).
-        aux = [torch.from_numpy(s.hidden[:, :-1]).float().flatten(1) for s in eval_seqs]
-        mean_aux = torch.cat(aux).mean(0)
-        model.enable_parallel(cfg.pard_token, cfg.ttt_steps, mean_aux.to(device))
-    elif model.cfg.parallel != cfg.parallel:
+    if cfg.parallel:
+        _make_parallel(model, cfg, eval_seqs, device)
+    elif model.cfg.parallel:
         raise ValueError(f"--init {cfg.init} is a parallel-drafting head; continue it with --parallel")
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -243,6 +258,11 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
     last = ckpt_dir / "last.pt"
     if last.exists():
         ck = torch.load(last, map_location=device, weights_only=False)
+        changed = {k: (ck["config"].get(k), getattr(cfg, k)) for k in ("parallel", "ttt_steps")
+                   if ck["config"].get(k, False if k == "parallel" else 4) != getattr(cfg, k)}
+        if changed:
+            raise ValueError(f"{last} was trained with other settings {changed} (checkpoint, "
+                             f"now); use a new --work directory or the same settings")
         model.load_state_dict(ck["model"], strict=False)
         opt.load_state_dict(ck["opt"])
         state = ck["state"]

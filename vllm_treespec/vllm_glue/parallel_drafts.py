@@ -26,24 +26,30 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 
 from vllm_treespec.attention import DraftTreeLevelMetadata
+from vllm_treespec.config import TreeSpecConfigError
 
 
-def read_mask_hidden(model: str) -> torch.Tensor:
-    """The ``mask_hidden`` tensor of a drafter checkpoint (a local directory, or a
-    hub id already in the local cache)."""
+def read_mask_hidden(model: str, revision: str | None = None,
+                     cache_dir: str | None = None) -> torch.Tensor:
+    """The ``mask_hidden`` tensor of a drafter checkpoint: a local directory, or the
+    hub snapshot vLLM has just loaded (same revision and cache; no download)."""
     from safetensors import safe_open
 
     path = Path(model).expanduser()
     if not path.is_dir():
         from huggingface_hub import snapshot_download
 
-        path = Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"]))
+        path = Path(snapshot_download(model, revision=revision, cache_dir=cache_dir,
+                                      allow_patterns=["*.safetensors", "*.json"],
+                                      local_files_only=True))
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(file, "pt") as weights:
             if "mask_hidden" in weights.keys():
                 return weights.get_tensor("mask_hidden")
-    raise ValueError(f"eagle3_tree: drafter {str(path)!r}: no 'mask_hidden' tensor in its "
-                     f"weights: not a parallel-drafting head")
+    raise TreeSpecConfigError(
+        f"eagle3_tree: drafter {str(path)!r}: no 'mask_hidden' tensor in its weights: "
+        f"not a parallel-drafting head (\"draft\": \"parallel\" needs one trained with "
+        f"`vllm-treespec train-drafter --parallel K`)")
 
 
 class ParallelDrafting:
@@ -51,8 +57,10 @@ class ParallelDrafting:
     pard_token: int = 0
 
     def _load_parallel_state(self) -> None:
-        self.pard_token = int(self.draft_model_config.hf_config.pard_token)
-        mask = read_mask_hidden(self.draft_model_config.model)
+        draft = self.draft_model_config
+        self.pard_token = int(draft.hf_config.pard_token)  # checked at startup (support)
+        mask = read_mask_hidden(draft.model, draft.revision,
+                                self.vllm_config.load_config.download_dir)
         dtype = self.vllm_config.model_config.dtype
         with torch.no_grad():
             self.slot_state = self.model.combine_hidden_states(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
@@ -217,6 +218,10 @@ def patch_engine_args() -> None:
         tree = tree_config_from_vllm(config)
         if tree is not None:
             support.check_engine(config, tree.num_nodes)
+            draft = config.speculative_config.draft_model_config
+            if tree.draft == "parallel" and not Path(draft.model).expanduser().is_dir():
+                # A hub drafter: check_drafter could not read its config.json earlier.
+                support.check_parallel_head(draft.model, draft.hf_config.to_dict(), tree.depth)
         return config
 
     create_speculative_config._treespec_wrapped = True  # type: ignore[attr-defined]

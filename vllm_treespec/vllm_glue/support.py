@@ -100,18 +100,20 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
         raise _bad_drafter(path, f"vocab_size {vocab} in config.json; "
                                  f"the target's vocab_size is {target.vocab_size}")
     if parallel_depth is not None:
-        _check_parallel_config(path, config, parallel_depth)
+        check_parallel_head(path, config, parallel_depth)
     files = sorted(path.glob("*.safetensors"))
     if not files and not any(path.glob("*.bin")):
         raise _bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
     masks = [_check_drafter_weights(file, 3 * hidden, target.vocab_size) for file in files]
-    if parallel_depth is not None and files and not any(m is not None for m in masks):
+    if parallel_depth is not None and not any(m is not None for m in masks):
         raise _bad_drafter(path, "no 'mask_hidden' tensor in its weights: not a parallel-"
                                  "drafting head (\"draft\": \"parallel\" needs one trained "
                                  "with `vllm-treespec train-drafter --parallel K`)")
 
 
-def _check_parallel_config(path: Path, config: dict, depth: int) -> None:
+def check_parallel_head(path: Path | str, config: dict, depth: int) -> None:
+    """A drafter's config (config.json as a dict) trained for parallel drafting with
+    at least ``depth`` slots (also run on a hub drafter's config once vLLM has it)."""
     pard = config.get("pard_token")
     if isinstance(pard, bool) or not isinstance(pard, int):
         raise _bad_drafter(path, "no integer 'pard_token' in config.json: not trained for "
