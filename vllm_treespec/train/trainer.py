@@ -258,8 +258,9 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
     last = ckpt_dir / "last.pt"
     if last.exists():
         ck = torch.load(last, map_location=device, weights_only=False)
-        changed = {k: (ck["config"].get(k), getattr(cfg, k)) for k in ("parallel", "ttt_steps")
-                   if ck["config"].get(k, False if k == "parallel" else 4) != getattr(cfg, k)}
+        before = {"parallel": False, **ck["config"]}  # checkpoints older than --parallel
+        changed = {k: (before[k], getattr(cfg, k)) for k in ("parallel", "ttt_steps")
+                   if before[k] != getattr(cfg, k)}
         if changed:
             raise ValueError(f"{last} was trained with other settings {changed} (checkpoint, "
                              f"now); use a new --work directory or the same settings")

@@ -202,17 +202,19 @@ class DynamicTreeBuilder:
                      depth=self._level, node_id=self._frontier_id)
 
     def grow_from_marginals(self, level: Level, marginals: torch.Tensor,
-                            width: int | None = None) -> None:
+                            width: int | None = None) -> Level:
         """Expand every remaining level from per-depth marginals (parallel drafting):
         ``marginals`` [B, >= depth - 1, V] holds the draft log-probs of depths 2, 3, ..
         (after ``first_level``), one distribution per depth whatever the parent, so
         a path scores the sum of its tokens' marginals. At most ``width`` frontier
-        nodes are expanded per level (1 keeps the greedy chain)."""
+        nodes are expanded per level (1 keeps the greedy chain). Returns the last
+        level (the builder is then ``done``)."""
         d = 0
         while not self.done and level.tokens.shape[1] > 0:
             w = min(level.tokens.shape[1], width or self.k)
             level = self.next_level(marginals[:, d:d + 1].expand(-1, w, -1))
             d += 1
+        return level
 
     def candidate_scores(self) -> torch.Tensor:
         """[B, N] cumulative draft log-probs of all candidates so far (root excluded)."""

@@ -245,7 +245,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             marginals = self._parallel_marginals(batch_size, depth - 1, prefix_len, max_prefix,
                                                  block_table, side_capacity, scratch)
             levels_run, nodes_forwarded = 1, batch_size * (depth - 1)
-            builder.grow_from_marginals(level, marginals, width_cap)
+            level = builder.grow_from_marginals(level, marginals, width_cap)  # done: no loop
         while not builder.done and level.tokens.shape[1] > 0:
             levels_run += 1
             F = level.tokens.shape[1]
