@@ -16,6 +16,7 @@ No vLLM import here.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -30,6 +31,7 @@ logger = logging.getLogger("vllm.treespec")
 
 TRACE_ENV = "VLLM_TREESPEC_TRACE_DIR"
 STATS_ENV = "VLLM_TREESPEC_STATS_DIR"
+INVALID_TREE_ENV = "VLLM_TREESPEC_TEST_INVALID_TREE_EVERY"
 
 
 def stats_path(engine_index: int) -> str | None:
@@ -58,6 +60,22 @@ def write_json_atomic(path: Path, data: Any) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f)
     os.replace(tmp, path)
+
+
+def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
+    """One JSON object per line, written atomically (a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 class TraceWriter:
@@ -106,6 +124,28 @@ def validated(tree, vocab_size: int, repair: Callable, describe: Callable,
             repaired.add(err.request)
             dump_failure(err, describe(err, tree), trace_dir)
             tree = repair(tree, err.request)
+
+
+class InvalidTreeInjector:
+    """Test-only fault (the soak's ``--invalid-trees N``, through
+    ``$VLLM_TREESPEC_TEST_INVALID_TREE_EVERY``): every N-th batch of trees
+    comes back with the first draft node of its first drafting request given
+    token -1, which validation must catch. Inert without the variable."""
+
+    def __init__(self) -> None:
+        every = os.environ.get(INVALID_TREE_ENV, "")
+        self.every, self.calls = (int(every) if every.isdigit() else 0), 0
+
+    def __call__(self, trees):
+        if not self.every:
+            return trees
+        self.calls += 1
+        drafting = (trees.num_nodes > 0).nonzero()
+        if self.calls % self.every or drafting.numel() == 0:
+            return trees
+        token = trees.token.clone()
+        token[int(drafting[0]), 1] = -1
+        return dataclasses.replace(trees, token=token)
 
 
 def dump_failure(error: Exception, payload: dict[str, Any], directory: str | None) -> Path:

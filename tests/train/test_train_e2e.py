@@ -63,7 +63,7 @@ def test_a_spent_budget_stops_before_a_shard_and_skips_later_stages(run):
     assert progress["shards"] == 2 and progress["sequences"] == 8
     assert progress["train_steps"] == 14 and progress["generate_seconds"] > 0
     assert progress["best_accept_len_proxy"] is not None
-    assert f"progress so far: {{\"generate_seconds\"" in run["log"]  # printed at start
+    assert "progress so far: {\"generate_seconds\"" in run["log"]  # printed at start
 
 
 def test_training_continues_from_an_exported_head(run, tmp_path):

@@ -193,15 +193,15 @@ def test_draft_level_matches_prefix_side_reference(ops):
                                 prefix_len=prefix, max_prefix_len=int(prefix.max()),
                                 block_table=batch.block_table, block_size=128,
                                 side_mask=side_mask)
-    q = torch.randn(B * F, H, D, generator=gen)
-    out = torch.empty(B * F, H * D)
-    run_draft_level(ops, md, q, side_k, side_v, batch.key_cache, batch.value_cache,
-                    batch.heads, out)
+    q = torch.randn(B, F, H, D, generator=gen)
+    out = run_draft_level(ops, md, q, side_k, side_v, batch.key_cache, batch.value_cache,
+                          batch.heads)
     hi = offset + F
-    ref = prefix_side_attention(q.view(B, F, H, D), batch.key_cache, batch.value_cache,
+    ref = prefix_side_attention(q, batch.key_cache, batch.value_cache,
                                 batch.block_table, 128, prefix, side_k[:, :hi],
                                 side_v[:, :hi], side_mask, batch.heads.scale)
-    assert _err(out.view(B, F, H, D), ref) < 1e-5
+    assert out.shape == (B, F, H, D)
+    assert _err(out, ref) < 1e-5
 
 
 # ------------------------------------------------------- wrong arguments are caught

@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from vllm_treespec import observability
+
 NUM_HUMANEVAL = 80
 NUM_MTBENCH = 80
 
@@ -113,18 +115,18 @@ def write_jsonl(turns: list[Turn], path: str | os.PathLike, tokenizer=None,
                 output_tokens: int | None = None) -> None:
     """Dataset file: one turn per line with ``messages``; with a tokenizer also the
     templated ``prompt`` (what ``vllm bench serve`` custom datasets read)."""
-    with open(path, "w") as f:
-        for t in turns:
-            row = {"turn_id": t.turn_id, "source": t.source, "messages": t.messages}
-            if tokenizer is not None:
-                row["prompt"] = tokenizer.apply_chat_template(
-                    t.messages, add_generation_prompt=True, tokenize=False)
-            if output_tokens:
-                row["output_tokens"] = output_tokens
-            f.write(json.dumps(row) + "\n")
+    rows = []
+    for t in turns:
+        row = {"turn_id": t.turn_id, "source": t.source, "messages": t.messages}
+        if tokenizer is not None:
+            row["prompt"] = tokenizer.apply_chat_template(
+                t.messages, add_generation_prompt=True, tokenize=False)
+        if output_tokens:
+            row["output_tokens"] = output_tokens
+        rows.append(row)
+    observability.write_jsonl(path, rows)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Turn]:
-    with open(path) as f:
-        rows = [json.loads(line) for line in f]
-    return [Turn(r["turn_id"], r["source"], r["messages"]) for r in rows]
+    return [Turn(r["turn_id"], r["source"], r["messages"])
+            for r in observability.read_jsonl(path)]

@@ -159,7 +159,7 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
     # backend from reserving most of the machine's memory.
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     if invalid_trees:
-        from vllm_treespec.vllm_glue.proposer import INVALID_TREE_ENV
+        from vllm_treespec.observability import INVALID_TREE_ENV
 
         env[INVALID_TREE_ENV] = str(invalid_trees)
     with Server(model, serve_args, spec, log, served_name="soak", env=env) as server:

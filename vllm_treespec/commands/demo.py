@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if label == "eagle3_tree":
             for q, r in zip(PROMPTS, results[label]):
                 say(f"\n>>> {q}\n{r.text.strip()}")
-            say(f"\n[demo] now the same prompts without speculation ...")
+            say("\n[demo] now the same prompts without speculation ...")
 
     tree_res, plain = results["eagle3_tree"], results["none"]
     tok = lambda rs: sum(r.output_tokens for r in rs) / sum(r.e2e_s for r in rs)  # noqa: E731

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_treespec.observability import read_jsonl, write_jsonl
+
 STAGES = ("prompts", "generate", "followups", "vocab", "train", "export")
 DEFAULT_WORK_ROOT = Path.home() / ".cache" / "vllm-treespec" / "drafter-work"
 
@@ -34,13 +36,11 @@ class Progress:
             "generate_seconds": 0.0, "train_seconds": 0.0}
 
     def update(self, **add_seconds: float) -> None:
-        from . import prompts as P
-
         work = self.work
         for key, secs in add_seconds.items():
             self.data[key] = round(self.data.get(key, 0.0) + secs, 1)
         metas = sorted((work / "data").glob("shard_*.jsonl"))
-        rows = [r for m in metas for r in P.read_jsonl(m)]
+        rows = [r for m in metas for r in read_jsonl(m)]
         self.data.update(shards=len(metas), sequences=len(rows),
                          positions=sum(r["prompt_len"] + r["new_tokens"] - 1 for r in rows))
         last = work / "ckpt" / "last.pt"
@@ -209,14 +209,14 @@ def main(argv: list[str] | None = None) -> int:
 
                 t0 = time.time()
                 queries = generate_self_queries(get_answerer(), int(n_self * 1.6), args.seed)
-                P.write_jsonl(self_path, [{"query": q} for q in queries])
+                write_jsonl(self_path, [{"query": q} for q in queries])
                 progress.update(generate_seconds=time.time() - t0)
                 _log(f"self-queries: {len(queries)} in {time.time() - t0:.0f}s")
-            queries = [r["query"] for r in P.read_jsonl(self_path)] if n_self else []
+            queries = [r["query"] for r in read_jsonl(self_path)] if n_self else []
             mix = dict(P.DEFAULT_MIX)
             mix["self"] = args.self_query_frac
             rows = P.build_prompts(args.num_prompts, args.seed, mix=mix, self_queries=queries)
-            P.write_jsonl(prompts_path, rows)
+            write_jsonl(prompts_path, rows)
             (work / "recipe.json").write_text(json.dumps(_recipe(args, P), indent=2) + "\n")
             _log(f"prompts: {len(rows)} -> {prompts_path}")
 
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if _out_of_time(deadline, "generate"):
             return _stopped(progress)
 
-        rows = P.read_jsonl(work / "prompts.jsonl")
+        rows = read_jsonl(work / "prompts.jsonl")
         t0 = time.time()
         stats = generate_shards(
             get_answerer(), rows, data_dir, aux_layers=aux_layers, seed=args.seed,
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if "followups" in stages:
         from .generate import generate_shards
 
-        n_main = math.ceil(len(P.read_jsonl(work / "prompts.jsonl")) / args.shard_size)
+        n_main = math.ceil(len(read_jsonl(work / "prompts.jsonl")) / args.shard_size)
         fpath = work / "followups.jsonl"
         if not fpath.exists():
             rng = random.Random(args.seed + 1)
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             for idx in range(n_main):
                 meta = data_dir / f"shard_{idx:05d}.jsonl"
                 if meta.exists():
-                    rows += [r for r in P.read_jsonl(meta) if r["finish_reason"] == "stop"]
+                    rows += [r for r in read_jsonl(meta) if r["finish_reason"] == "stop"]
             rng.shuffle(rows)
             chosen = rows[: int(len(rows) * args.followup_frac / max(1e-9, 1.0))]
             chosen = chosen[: math.ceil(args.num_prompts * args.followup_frac)]
@@ -259,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                 {"id": f"f{i:06d}", "kind": "followup", "messages": P.gen_followup(rng, r["messages"], r["response"])}
                 for i, r in enumerate(chosen)
             ]
-            P.write_jsonl(fpath, fups)
+            write_jsonl(fpath, fups)
             _log(f"followups: {len(fups)} -> {fpath}")
-        fups = P.read_jsonl(fpath)
+        fups = read_jsonl(fpath)
         if fups:
             stats = generate_shards(
                 get_answerer(), fups, data_dir, aux_layers=aux_layers, seed=args.seed,
@@ -344,7 +344,7 @@ def data_summary(work: Path, args) -> dict:
     kinds, temps = Counter(), Counter()
     seqs = positions = new_tokens = 0
     for meta in sorted((work / "data").glob("shard_*.jsonl")):
-        for r in P.read_jsonl(meta):
+        for r in read_jsonl(meta):
             kinds[r["kind"]] += 1
             temps[str(r["temperature"])] += 1
             seqs += 1

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import random
 import textwrap
-from pathlib import Path
 
 from .docstrings import collect_docstrings_isolated, collect_excerpts
 from .prompt_words import (AUDIENCES, CLASSIC_EXERCISES, CODE_INSTRUCT_TEMPLATES, FOLLOWUPS,
@@ -109,7 +108,7 @@ def gen_reasoning(rng: random.Random) -> list[dict]:
         f"If all {rng.choice(['bloops', 'razzies', 'glims'])} are {rng.choice(['lazzies', 'wugs', 'tovs'])}, and some lazzies are green, can we conclude that some bloops are green? Explain.",
         f"{ns[0]} is the mother of {ns[1]}. {ns[2]} is the son of {ns[1]}. What is the relationship between {ns[0]} and {ns[2]}?",
         f"There are {rng.randint(3, 9)} people in a room and everyone shakes hands with everyone else once. How many handshakes happen?",
-        f"I am facing north. I turn right, then right again, then left. Which direction am I facing?",
+        "I am facing north. I turn right, then right again, then left. Which direction am I facing?",
         f"A farmer has {rng.randint(10, 30)} sheep and all but {rng.randint(2, 9)} run away. How many are left?",
         f"If it takes {rng.randint(2, 6)} machines {rng.randint(2, 6)} minutes to make as many widgets, how long would 100 machines take to make 100 widgets?",
         f"{ns[0]} finished a race ahead of {ns[1]} but behind {ns[2]}. {ns[3]} finished last and {ns[4]} was first. What was the order?",
@@ -117,7 +116,7 @@ def gen_reasoning(rng: random.Random) -> list[dict]:
         f"A clock shows {rng.randint(1, 12)}:{rng.choice(['00', '15', '30', '45'])}. What is the angle between the hour and minute hands?",
         f"Today is {rng.choice(['Monday', 'Tuesday', 'Friday', 'Sunday'])}. What day of the week will it be in {rng.randint(10, 100)} days?",
         f"Find the odd one out: {', '.join(rng.sample(['apple', 'banana', 'carrot', 'grape', 'cherry', 'potato', 'pear'], 4))}. Explain your choice.",
-        f"Is the following argument valid? 'If it rains, the ground is wet. The ground is wet. Therefore it rained.'",
+        "Is the following argument valid? 'If it rains, the ground is wet. The ground is wet. Therefore it rained.'",
         f"{ns[0]} says: 'I always lie.' Can this statement be true? Explain.",
     ]
     return _user(rng.choice(puzzles))
@@ -306,16 +305,3 @@ def clean_self_query(text: str) -> str | None:
     if "<|" in text or text.lower().startswith(("assistant", "system")):
         return None
     return text
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

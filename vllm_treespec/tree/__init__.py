@@ -11,13 +11,9 @@ from vllm_treespec.tree.accept import (
     position_samples,
     stochastic_accept,
 )
-from vllm_treespec.tree.build import (
-    DynamicTreeBuilder,
-    Level,
-    StaticTopology,
-    StaticTreeBuilder,
-)
+from vllm_treespec.tree.build import DynamicTreeBuilder, Level
 from vllm_treespec.tree.mask import tree_mask
+from vllm_treespec.tree.static import StaticTopology, StaticTreeBuilder
 from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
 
 __all__ = [

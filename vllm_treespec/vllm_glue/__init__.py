@@ -8,6 +8,10 @@ so stock methods run untouched.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
 
 def install() -> None:
     # The vLLM version is checked when an eagle3_tree engine is configured
@@ -25,3 +29,17 @@ def forget_resolved_backends() -> None:
         selector._cached_get_attn_backend.cache_clear()
     except AttributeError:
         pass
+
+
+@contextlib.contextmanager
+def runner_class_swapped(module: ModuleType, name: str,
+                         tree_class: Callable[[type], type]) -> Iterator[None]:
+    """While inside, the runner class a stock worker instantiates by name
+    (``module.name``) is the tree runner built from it; restored on exit, so
+    the swap lasts for the worker's ``init_device`` only."""
+    stock = getattr(module, name)
+    setattr(module, name, tree_class(stock))
+    try:
+        yield
+    finally:
+        setattr(module, name, stock)

@@ -11,8 +11,8 @@ reserves), which costs about what a chain step of the same rows costs; a step
 that needs more scratch blocks than reserved recomputes its tree rows with the
 block-wise torch tree attention instead (``cpu_layout``, same function). While drafting a tree,
 the drafter's frontier nodes attend to the paged prefix plus their ancestors in
-a small per-layer side buffer (``prefix_side_attention``); nothing of the draft
-tree is written to the paged cache. One-wide levels (chains) are the exception:
+a small per-layer side buffer (``draft_level``, ``prefix_side_attention``); nothing
+of the draft tree is written to the paged cache. One-wide levels (chains) are the exception:
 they run as stock EAGLE chain steps, native kernel and paged cache
 (``TreeEagleProposer._chain_level``).
 
@@ -34,6 +34,7 @@ from vllm_treespec.attention import DraftTreeLevelMetadata, TreeVerifyRows, cpu_
 from vllm_treespec.attention.chain_split import ChainSplitPlan, split_into_chains
 from vllm_treespec.attention.cpu_layout import kv_views
 from vllm_treespec.vllm_glue import forget_resolved_backends, support
+from vllm_treespec.vllm_glue.draft_level import DraftLevelAttention
 
 
 def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
@@ -62,7 +63,7 @@ def probe_kv_layout(dtype: torch.dtype, block_size: int, head_size: int,
             f"vllm-treespec cannot read; tree attention supports ISAs 'vec' and 'vec16'")
 
 
-class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
+class TreeCPUAttentionImpl(DraftLevelAttention, CPUAttentionBackendImpl):
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes,
                  sliding_window, kv_cache_dtype, logits_soft_cap=None, *args, **kwargs):
         sinks = kwargs.get("sinks", args[2] if len(args) > 2 else None)
@@ -161,19 +162,15 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             kv_cache_dtype=self.kv_cache_dtype)
         return rows, span, read, write, metadata
 
-    def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
-        B, F, D = md.batch_size, md.width, self.head_size
-        side = self._side_kv = md.write_side_kv(getattr(self, "_side_kv", None), key, value)
-        hi = md.side_offset + F
+    def _attend_level(self, q, side_key, side_value, kv_cache, md: DraftTreeLevelMetadata):
         prefix = md.scratch.get(id(self))
         if prefix is None:  # the committed prefix is the same for every level
             prefix = md.scratch[id(self)] = cpu_layout.gather_prefix(
-                kv_cache, md.block_table, md.prefix_len, md.max_prefix_len, D, query.dtype)
-        q = query[: B * F].view(B, F, self.num_heads, D)
-        out = cpu_layout.prefix_side_attention(q, *prefix, side[0, :B, :hi], side[1, :B, :hi],
-                                               md.side_mask, self.scale)
-        output[: B * F] = out.reshape((B * F,) + output.shape[1:]).to(output.dtype)
-        return output
+                kv_cache, md.block_table, md.prefix_len, md.max_prefix_len, self.head_size,
+                q.dtype)
+        hi = md.side_offset + md.width
+        return cpu_layout.prefix_side_attention(q, *prefix, side_key[:, :hi], side_value[:, :hi],
+                                                md.side_mask, self.scale)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

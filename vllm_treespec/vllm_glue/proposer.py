@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch
@@ -41,6 +40,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treespec.config import TreeSpecConfig
+from vllm_treespec.observability import InvalidTreeInjector, trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
@@ -49,19 +49,6 @@ from vllm_treespec.vllm_glue.parallel_drafts import ParallelDrafting
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 logger = logging.getLogger("vllm.treespec")
-INVALID_TREE_ENV = "VLLM_TREESPEC_TEST_INVALID_TREE_EVERY"
-
-
-def with_an_invalid_token(trees: TreeBatch) -> TreeBatch:
-    """``trees`` with the first draft node of the first drafting request given
-    token -1, which validation must catch (for fault-injection tests)."""
-    drafting = (trees.num_nodes > 0).nonzero()
-    if drafting.numel() == 0:
-        return trees
-    token = trees.token.clone()
-    token[int(drafting[0]), 1] = -1
-    return dataclasses.replace(trees, token=token)
-
 
 @dataclasses.dataclass
 class ProposedTree:
@@ -93,11 +80,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         # One-wide levels as stock chain steps on the paged cache (the runner's
         # device says whether its attention backend serves them natively).
         self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
-        # Test-only fault (the soak's --invalid-trees): every N-th validated step
-        # hands validation a tree with an impossible token.
-        every = os.environ.get(INVALID_TREE_ENV, "")
-        self._invalid_every = int(every) if every.isdigit() else 0
-        self._checks = 0
+        self._with_fault = InvalidTreeInjector()  # test-only (the soak's --invalid-trees)
         self.catch_up_tokens = 0
         self.faults = 0  # drafting steps that raised (see propose)
         self._last_fault_log = 0.0
@@ -331,12 +314,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
     def _checked(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
-        from vllm_treespec.observability import trace_dir_from, validated
 
-        self._checks += 1
-        if self._invalid_every and self._checks % self._invalid_every == 0:
-            trees = with_an_invalid_token(trees)
-
+        trees = self._with_fault(trees)
         req_ids = self.runner.input_batch.req_ids
         keep = trees.num_nodes.clone()
 

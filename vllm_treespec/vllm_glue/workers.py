@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_treespec.vllm_glue import cpu_attention
+from vllm_treespec.vllm_glue import cpu_attention, runner_class_swapped
 from vllm_treespec.vllm_glue.cpu_runner import tree_cpu_runner_class
 
 
@@ -21,12 +21,8 @@ class TreeCPUWorker(CPUWorker):
         model_config, cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
         cpu_attention.probe_kv_layout(model_config.dtype, cache_config.block_size,
                                       model_config.get_head_size())
-        stock = cpu_worker.CPUModelRunner
-        cpu_worker.CPUModelRunner = tree_cpu_runner_class(stock)
-        try:
+        with runner_class_swapped(cpu_worker, "CPUModelRunner", tree_cpu_runner_class):
             super().init_device()
-        finally:
-            cpu_worker.CPUModelRunner = stock
 
 
 def __getattr__(name: str):

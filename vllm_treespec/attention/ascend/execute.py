@@ -159,8 +159,9 @@ def run_tree_verify(ops: Any, variant: str, plan: TreeAttentionPlan,
 def run_draft_level(ops: Any, md: DraftTreeLevelMetadata, query: torch.Tensor,
                     side_key: torch.Tensor, side_value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    heads: HeadConfig, output: torch.Tensor) -> None:
-    """One tree-drafting level: the B*F frontier queries see their paged prefix
+                    heads: HeadConfig) -> torch.Tensor:
+    """One tree-drafting level: the B*F frontier queries (query [B, F, H, D];
+    returns the same shape, in the query's dtype) see their paged prefix
     (``prefix_len`` entries) and, in the dense side buffer, the entries their
     ``side_mask`` allows (ancestors and themselves). Two passes + LSE merge.
 
@@ -181,16 +182,15 @@ def run_draft_level(ops: Any, md: DraftTreeLevelMetadata, query: torch.Tensor,
         side_mask = torch.ones(B, 1, F, cap, dtype=torch.int8, device=query.device)
         side_mask[:, 0, :, :hi] = (~md.side_mask.bool()).to(torch.int8)
         md.scratch[key] = side_mask
-    q = query[: B * F]
+    q = query.reshape(B * F, H, D)
     table = md.block_table[:B].to(torch.int32).contiguous()
     p_out, p_lse = prefix_call(q, key_cache, value_cache, table,
                                [F * (b + 1) for b in range(B)], prefix, H, KVH, s)(ops)
-    t_out, t_lse = dense_masked_call(q.view(B, F, H, D), side_key, side_value, side_mask,
+    t_out, t_lse = dense_masked_call(query, side_key, side_value, side_mask,
                                      [F] * B, [hi] * B, H, KVH, s)(ops)
     M = B * F * H
     merged, _ = merge_call(
         [p_lse.reshape(M).contiguous(),
          t_lse.view(B, H, F).permute(0, 2, 1).reshape(M).contiguous()],
         [p_out.reshape(M, D).float(), t_out.reshape(M, D).float()])(ops)
-    out = output.view(output.shape[0], H, D)
-    out[: B * F] = merged.view(B * F, H, D).to(out.dtype)
+    return merged.view(B, F, H, D).to(query.dtype)

@@ -73,6 +73,7 @@ from vllm_treespec.attention.ascend.settings import (
 )
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import forget_resolved_backends
+from vllm_treespec.vllm_glue.draft_level import DraftLevelAttention
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 # vllm-ascend's metadata builder asserts 1 + num_speculative_tokens <= 16 ("FIA TND
@@ -185,7 +186,7 @@ class TreeAscendMetadataBuilder(AscendAttentionMetadataBuilder):
         self.reorder_batch_threshold = self.decode_threshold
 
 
-class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
+class TreeAscendAttentionImpl(DraftLevelAttention, AscendAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         if self.sliding_window is not None or self.sinks is not None:
@@ -197,7 +198,6 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
         self.tree_size = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         self.tree_heads = HeadConfig(self.num_heads, self.num_kv_heads,
                                      self.head_size, self.scale)
-        self._side_kv: torch.Tensor | None = None
 
     @property
     def tree_variant(self) -> str:
@@ -267,21 +267,15 @@ class TreeAscendAttentionImpl(AscendAttentionBackendImpl):
                         value, k_cache, v_cache, self.tree_heads, output)
         return output
 
-    def _draft_level(self, query, key, value, kv_cache, md: DraftTreeLevelMetadata, output):
-        B, F, D = md.batch_size, md.width, self.head_size
-        side = self._side_kv = md.write_side_kv(self._side_kv, key, value)
-        hi = md.side_offset + F
+    def _attend_level(self, q, side_key, side_value, kv_cache, md: DraftTreeLevelMetadata):
         k_cache, v_cache = kv_pair(kv_cache)
         if self.tree_settings.exec_mode == "reference":
-            q = query[: B * F].view(B, F, self.num_heads, D)
-            out = prefix_side_attention(q, k_cache, v_cache, md.block_table, md.block_size,
-                                        md.prefix_len, side[0, :B, :hi], side[1, :B, :hi],
-                                        md.side_mask, self.scale, md.max_prefix_len)
-            output[: B * F] = out.reshape((B * F,) + output.shape[1:]).to(output.dtype)
-            return output
-        run_draft_level(torch_npu, md, query, side[0, :B], side[1, :B], k_cache,
-                        v_cache, self.tree_heads, output)
-        return output
+            hi = md.side_offset + md.width
+            return prefix_side_attention(q, k_cache, v_cache, md.block_table, md.block_size,
+                                         md.prefix_len, side_key[:, :hi], side_value[:, :hi],
+                                         md.side_mask, self.scale, md.max_prefix_len)
+        return run_draft_level(torch_npu, md, q, side_key, side_value, k_cache, v_cache,
+                               self.tree_heads)
 
     # ------------------------------------------------------------- ACL graphs
     def _captures_tree(self, md) -> bool:

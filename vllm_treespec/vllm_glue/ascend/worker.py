@@ -21,6 +21,7 @@ from vllm_treespec.attention.ascend.constants import FULL_MASK, TREE_SPARSE
 from vllm_treespec.attention.ascend.settings import FULL_GRAPH_ENV, AscendTreeSettings
 from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse
 from vllm_treespec.config import TreeSpecConfigError
+from vllm_treespec.vllm_glue import runner_class_swapped
 from vllm_treespec.vllm_glue.ascend.backend import (
     install_backend,
     record_tree_mode,
@@ -96,12 +97,8 @@ class TreeNPUWorker(NPUWorker):
 
         record_tree_mode()
         install_backend()
-        stock_runner = npu_worker.NPUModelRunner
-        npu_worker.NPUModelRunner = tree_npu_runner_class(stock_runner)
-        try:
+        with runner_class_swapped(npu_worker, "NPUModelRunner", tree_npu_runner_class):
             super().init_device()
-        finally:
-            npu_worker.NPUModelRunner = stock_runner
         variant = _select_variant(self, self.tree_settings)
         set_active_variant(variant)
         logger.info("eagle3_tree on Ascend: exec_mode %s, variant %s",
