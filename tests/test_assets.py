@@ -91,16 +91,19 @@ def test_drafter_is_installed_healed_and_checked(tmp_path):
         A.ensure_drafter(home, src=src)
 
 
-def test_committed_drafter_matches_its_manifest():
-    src = A.committed_drafter_dir()
+@pytest.mark.parametrize("name", [A.DRAFTER_NAME, A.PARALLEL_DRAFTER_NAME])
+def test_committed_drafters_match_their_manifests(name):
+    src = A.committed_drafter_dir(name)
     manifest = json.loads((src / "MANIFEST.json").read_text())
     assert set(manifest["files"]) == {"config.json", "model.safetensors"}
-    for name, digest in manifest["files"].items():
-        assert A.sha256_file(src / name) == digest, name
+    for file, digest in manifest["files"].items():
+        assert A.sha256_file(src / file) == digest, file
     cfg = json.loads((src / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert (src / "model.safetensors").stat().st_size < 30 * 2**20
+    # The parallel head carries what vLLM's parallel drafting reads.
+    assert ("pard_token" in cfg) == (name == A.PARALLEL_DRAFTER_NAME)
 
 
 def test_missing_wheel_is_reported(monkeypatch):
@@ -109,13 +112,15 @@ def test_missing_wheel_is_reported(monkeypatch):
         A.find_gguf()
 
 
-def test_cli_json_prints_both_directories_last(target_dir):
+def test_cli_json_prints_every_directory_last(target_dir):
     env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_TREESPEC_HOME=str(A.cache_home()))
     proc = subprocess.run([sys.executable, "-m", "vllm_treespec", "assets", "--json"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
     info = json.loads(last)
-    assert set(info) == {"target", "drafter"}
+    assert set(info) == {"target", "drafter", "parallel_drafter"}
     assert Path(info["target"]) == target_dir
-    assert (Path(info["drafter"]) / "model.safetensors").is_file()
+    for key in ("drafter", "parallel_drafter"):
+        assert (Path(info[key]) / "model.safetensors").is_file()
+    assert Path(info["parallel_drafter"]).name == A.PARALLEL_DRAFTER_NAME

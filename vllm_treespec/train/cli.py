@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             return _stopped(progress)
 
     if "export" in stages:
-        from .trainer import export_best
+        from .export import export_best
 
         raw = list(sys.argv[1:] if argv is None else argv)
         extra = {
