@@ -51,6 +51,7 @@ def test_one_wide_parallel_tree_drafts_what_stock_parallel_drafting_drafts(
     assert one_wide["proposals"] == stock["proposals"]
     assert stock["outputs"] == one_wide["outputs"] == tree["outputs"] == plain
     assert runs["adaptive"]["outputs"] == plain
+    assert runs["adaptive"]["tree"]["trees"] > 0, runs["adaptive"]["tree"]  # it did draft
     spec = dict(one_wide["spec_decode"])
     assert not any(spec["accepted_per_pos"][K:])  # vLLM sizes it by the node budget
     spec["accepted_per_pos"] = spec["accepted_per_pos"][:K]

@@ -63,7 +63,7 @@ TREES = {
     "fixed": {"validate_invariants": True, "adaptive": False, "num_nodes": 8, "depth": 3,
               "top_k": 2},
 }
-# With --invalid-trees: the fixed tree again, with every N-th validated tree made invalid.
+# With --invalid-trees: the fixed tree again; every N-th validated batch gets an invalid tree.
 FAULT_SERVER = "fixed-invalid"
 BLOCK_SIZE = 128  # the CPU backend's
 RSS_GROWTH_LIMIT = 1.10

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_treespec.observability import read_jsonl
+
 
 @dataclasses.dataclass
 class Sequence:
@@ -33,12 +35,10 @@ def shard_files(data_dir: Path) -> list[Path]:
 
 
 def load_shard(path: Path, max_len: int | None = None) -> list[Sequence]:
-    import json
-
     from safetensors.numpy import load_file
 
     d = load_file(str(path))
-    meta = [json.loads(line) for line in path.with_suffix(".jsonl").read_text().splitlines() if line]
+    meta = read_jsonl(path.with_suffix(".jsonl"))
     toks, hid = d["tokens"], d["hidden"]
     to, ho, pl = d["tok_offsets"], d["hid_offsets"], d["prompt_lens"]
     seqs = []

@@ -40,6 +40,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vllm_treespec.observability import write_jsonl
+
 FP16_MAX = 65504.0
 
 
@@ -307,9 +309,7 @@ def generate_shards(
         tmp = st_path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata={"aux_layers": json.dumps(list(aux_layers))})
         tmp.replace(st_path)
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(m, ensure_ascii=False) + "\n" for m in meta))
-        tmp.replace(meta_path)
+        write_jsonl(meta_path, meta)  # last: a shard counts as done once this exists
         stats["seconds"] += dt
         stats["shards"] += 1
         new = sum(m["new_tokens"] for m in meta)

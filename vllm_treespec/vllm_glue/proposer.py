@@ -314,7 +314,6 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
     def _checked(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
-
         trees = self._with_fault(trees)
         req_ids = self.runner.input_batch.req_ids
         keep = trees.num_nodes.clone()

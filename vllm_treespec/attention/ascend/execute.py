@@ -161,7 +161,7 @@ def run_draft_level(ops: Any, md: DraftTreeLevelMetadata, query: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor,
                     heads: HeadConfig) -> torch.Tensor:
     """One tree-drafting level: the B*F frontier queries (query [B, F, H, D];
-    returns the same shape, in the query's dtype) see their paged prefix
+    returns the same shape, in float32) see their paged prefix
     (``prefix_len`` entries) and, in the dense side buffer, the entries their
     ``side_mask`` allows (ancestors and themselves). Two passes + LSE merge.
 
@@ -193,4 +193,4 @@ def run_draft_level(ops: Any, md: DraftTreeLevelMetadata, query: torch.Tensor,
         [p_lse.reshape(M).contiguous(),
          t_lse.view(B, H, F).permute(0, 2, 1).reshape(M).contiguous()],
         [p_out.reshape(M, D).float(), t_out.reshape(M, D).float()])(ops)
-    return merged.view(B, F, H, D).to(query.dtype)
+    return merged.view(B, F, H, D)
