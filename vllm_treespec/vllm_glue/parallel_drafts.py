@@ -27,6 +27,7 @@ from vllm.forward_context import set_forward_context
 
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.config import TreeSpecConfigError
+from vllm_treespec.vllm_glue.support import NOT_A_PARALLEL_HEAD
 
 
 def read_mask_hidden(model: str, revision: str | None = None,
@@ -46,10 +47,7 @@ def read_mask_hidden(model: str, revision: str | None = None,
         with safe_open(file, "pt") as weights:
             if "mask_hidden" in weights.keys():
                 return weights.get_tensor("mask_hidden")
-    raise TreeSpecConfigError(
-        f"eagle3_tree: drafter {str(path)!r}: no 'mask_hidden' tensor in its weights: "
-        f"not a parallel-drafting head (\"draft\": \"parallel\" needs one trained with "
-        f"`vllm-treespec train-drafter --parallel K`)")
+    raise TreeSpecConfigError(f"eagle3_tree: drafter {str(path)!r}: {NOT_A_PARALLEL_HEAD}")
 
 
 class ParallelDrafting:

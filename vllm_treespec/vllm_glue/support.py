@@ -57,6 +57,11 @@ def check_vllm_version(found: str) -> None:
         f"anyway (untested: verify greedy identity before serving)")
 
 
+NOT_A_PARALLEL_HEAD = ("no 'mask_hidden' tensor in its weights: not a parallel-drafting head "
+                       "(\"draft\": \"parallel\" needs one trained with `vllm-treespec "
+                       "train-drafter --parallel K`)")
+
+
 def _bad_drafter(where: Path | str, what: str) -> TreeSpecConfigError:
     return TreeSpecConfigError(f"eagle3_tree: drafter {str(where)!r}: {what}")
 
@@ -106,9 +111,7 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
         raise _bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
     masks = [_check_drafter_weights(file, 3 * hidden, target.vocab_size) for file in files]
     if parallel_depth is not None and not any(m is not None for m in masks):
-        raise _bad_drafter(path, "no 'mask_hidden' tensor in its weights: not a parallel-"
-                                 "drafting head (\"draft\": \"parallel\" needs one trained "
-                                 "with `vllm-treespec train-drafter --parallel K`)")
+        raise _bad_drafter(path, NOT_A_PARALLEL_HEAD)
 
 
 def check_parallel_head(path: Path | str, config: dict, depth: int) -> None:
