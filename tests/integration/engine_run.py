@@ -8,6 +8,8 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "n_per_prompt": int, "schedule": {"off_steps", "period", "mode", "chain"?} | null,
        "draft_faults": N | null (every N-th drafter forward raises),
        "stream_seeded_plain_steps": bool (negative control of seeded reproduction),
+       "break_stochastic" / "drop_sibling_renormalisation": bool (biased acceptance
+       rules, negative controls of the T>0 test),
        "record_proposals": bool (stock or tree drafter)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
@@ -47,6 +49,8 @@ def main(spec_path: str, out_path: str) -> None:
                                  sch.get("chain", False)))
     if spec.get("break_stochastic") and tree_mode:
         llm.collective_rpc(oracle.break_stochastic_acceptance)
+    if spec.get("drop_sibling_renormalisation") and tree_mode:
+        llm.collective_rpc(oracle.drop_sibling_renormalisation)
     if spec.get("stream_seeded_plain_steps") and tree_mode:
         llm.collective_rpc(oracle.stream_seeded_plain_steps)
     if spec.get("record_proposals"):

@@ -186,6 +186,29 @@ def break_stochastic_acceptance(worker) -> bool:
     return True
 
 
+SIBLING_RENORMALISATION = "uniforms[:, d] * (1.0 - mass_before) < p_kid"
+
+
+def drop_sibling_renormalisation(worker) -> bool:
+    """collective_rpc target (subtle negative control): a source mutant of
+    ``stochastic_accept`` that accepts the j-th sibling with probability p(x_j)
+    instead of p(x_j) / (1 - mass of the earlier siblings). Only a node's later
+    children change: x_2 is emitted with probability (1 - p(x_1)) p(x_2) instead
+    of p(x_2), the residual tokens gain what it loses; first children, chains and
+    the residual draw itself stay exact."""
+    import inspect
+
+    from vllm_treespec.tree import accept
+    from vllm_treespec.vllm_glue import tree_sampler
+
+    source = inspect.getsource(accept.stochastic_accept)
+    assert source.count(SIBLING_RENORMALISATION) == 1, "the mutated line changed"
+    namespace = dict(vars(accept))
+    exec(source.replace(SIBLING_RENORMALISATION, "uniforms[:, d] < p_kid"), namespace)
+    tree_sampler.stochastic_accept = namespace["stochastic_accept"]
+    return True
+
+
 def stream_seeded_plain_steps(worker) -> bool:
     """collective_rpc target (negative control): plain steps draw a seeded
     request's noise from its generator stream, as stock vLLM does, instead of

@@ -1,12 +1,14 @@
 """Temperature > 0: eagle3_tree samples from the target model's distribution.
 
 For each prompt, 4-token continuations are drawn many times (i.i.d.) from plain
-vLLM and from eagle3_tree, and a chi-squared homogeneity test compares the two
-distributions of whole sequences. The tree drafter is an oracle built from a
-separate plain-vLLM sample (the most frequent observed continuations, several
-branches per node), so trees are accepted at several depths, as with a good
-drafter. A negative control runs the same harness against an engine with a
-deliberately biased acceptance rule and must fail it.
+vLLM and from eagle3_tree, and two chi-squared homogeneity tests compare them:
+the distributions of whole sequences, and the next-token distributions after
+every frequent prefix (where a tree's siblings compete). The tree drafter is an
+oracle built from a plain-vLLM sample (the most frequent observed continuations,
+several branches per node), so trees are accepted at several depths, as with a
+good drafter. Two negative controls run the harness against engines with biased
+acceptance rules and must fail it: a gross one (greedy acceptance at T > 0) and a
+subtle one (later siblings accepted without renormalisation).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ SETTINGS = [
     {"temperature": 0.9, "top_k": 40, "repetition_penalty": 1.3, "presence_penalty": 0.5},
 ]
 N = 800          # samples per prompt per engine
-N_CONTROL = 200  # the biased rule is far off; fewer samples suffice
+N_CONTROL = 200  # the greedy rule is far off; fewer samples suffice
+N_SUBTLE = 600   # the unnormalised-siblings control (measured p = 3e-12)
+ALPHA = 1e-3     # a p-value below this fails the test
 LENGTH = 4       # tokens per sample
 TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adaptive": False}
 
@@ -54,8 +58,9 @@ def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
     return [seqs[i * n:(i + 1) * n] for i in range(len(prompts))], out["tree"]
 
 
-def homogeneity_pvalue(a: list[tuple], b: list[tuple]) -> float:
-    ca, cb = Counter(a), Counter(b)
+def _table(ca: Counter, cb: Counter) -> list[list[int]]:
+    """2 x K counts: outcomes seen >= 10 times in both samples together, the rarer
+    ones pooled into one column."""
     keys = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
     common = [k for k in keys if ca[k] + cb[k] >= 10]
     rest = [k for k in keys if ca[k] + cb[k] < 10]
@@ -63,16 +68,50 @@ def homogeneity_pvalue(a: list[tuple], b: list[tuple]) -> float:
     if rest:
         table[0].append(sum(ca[k] for k in rest))
         table[1].append(sum(cb[k] for k in rest))
-    return stats.chi2_contingency(table).pvalue
+    return table
+
+
+def homogeneity_pvalue(a: list[tuple], b: list[tuple]) -> float:
+    """Chi-squared homogeneity of the two distributions of whole sequences."""
+    return stats.chi2_contingency(_table(Counter(a), Counter(b))).pvalue
+
+
+def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: int = 20) -> float:
+    """Chi-squared homogeneity of the next-token distributions after every output
+    prefix both samples reach at least ``min_context`` times, summed over prefixes.
+
+    A sequence's probability is the product of these conditionals, so the tests
+    are asymptotically independent and their statistics and degrees of freedom
+    add up. Unlike the whole-sequence test, whose outcomes spread over hundreds of
+    rare sequences, this one looks where trees decide: one node's siblings.
+    """
+    statistic, dof = 0.0, 0
+    for k in range(LENGTH):
+        after_a: dict[tuple, Counter] = {}
+        after_b: dict[tuple, Counter] = {}
+        for seqs, after in ((a, after_a), (b, after_b)):
+            for s in seqs:
+                after.setdefault(s[:k], Counter())[s[k]] += 1
+        for context, ca in after_a.items():
+            cb = after_b.get(context, Counter())
+            if min(ca.total(), cb.total()) < min_context:
+                continue
+            table = _table(ca, cb)
+            if len(table[0]) > 1:
+                result = stats.chi2_contingency(table, correction=False)
+                statistic, dof = statistic + result.statistic, dof + result.dof
+    return float(stats.chi2.sf(statistic, dof)) if dof else 1.0
 
 
 @pytest.fixture(scope="module")
 def samples(target_dir, tokenizer, random_drafter, engine_dir):
     prompts = chat_token_ids(tokenizer, PROMPTS)
     # One plain engine, 2N draws a prompt (unseeded, i.i.d.): the first N build the
-    # oracle's trie, the other N are the reference sample.
-    both, _ = draw(target_dir, prompts, SETTINGS, 2 * N, engine_dir, "plain", seed=1)
-    train, plain = [b[:N] for b in both], [b[N:] for b in both]
+    # oracle's trie, and all 2N are the reference sample. The trie's half may serve:
+    # a lossless tree emits target samples whatever trie drafted them, so its draws
+    # are independent of that half under the hypothesis tested.
+    plain, _ = draw(target_dir, prompts, SETTINGS, 2 * N, engine_dir, "plain", seed=1)
+    train = [b[:N] for b in plain]
     oracle = {"mode": "trie", "reference": {",".join(map(str, p)): [list(t) for t in tr]
                                             for p, tr in zip(prompts, train)}}
     tree, metrics = draw(target_dir, prompts, SETTINGS, N, engine_dir, "tree", seed=3,
@@ -85,7 +124,9 @@ def test_tree_samples_match_plain_sampling(samples):
     _, _, plain, tree, metrics = samples
     for setting, a, b in zip(SETTINGS, plain, tree):
         p = homogeneity_pvalue(a, b)
-        assert p > 1e-3, f"{setting}: distributions differ (p={p:.2e})"
+        assert p > ALPHA, f"{setting}: distributions of sequences differ (p={p:.2e})"
+        p = next_token_homogeneity_pvalue(a, b)
+        assert p > ALPHA, f"{setting}: next-token distributions differ (p={p:.2e})"
     # The trees were really used: drafts accepted beyond the first depth.
     assert metrics["mean_accept_len"] > 1.5, metrics
     assert metrics["per_depth_acceptance"][1] > 0.05, metrics
@@ -98,4 +139,19 @@ def test_harness_detects_a_biased_acceptance_rule(samples, target_dir, random_dr
                      "tree_biased", seed=4,
                      speculative_config=dict(TREE, model=str(random_drafter)),
                      oracle=oracle, break_stochastic=True)
-    assert homogeneity_pvalue(plain[0][:N_CONTROL], biased[0]) < 1e-6
+    assert homogeneity_pvalue(plain[0], biased[0]) < 1e-6
+
+
+def test_harness_detects_unnormalised_siblings(samples, target_dir, random_drafter, engine_dir):
+    """A bias only later siblings see: x_2 emitted with probability (1 - p(x_1)) p(x_2)
+    instead of p(x_2). The next-token test must flag it. Prompt 1's frequent prefixes
+    have several likely next tokens: estimated from the plain draws, the mutant moves
+    ~0.55 of a sample's probability there, ~0.16 on prompt 0 (where 800 draws missed it)."""
+    prompts, oracle, plain, _, _ = samples
+    biased, metrics = draw(target_dir, prompts[1:2], SETTINGS[1:2], N_SUBTLE, engine_dir,
+                           "tree_unnormalised", seed=5,
+                           speculative_config=dict(TREE, model=str(random_drafter)),
+                           oracle=oracle, drop_sibling_renormalisation=True)
+    assert metrics["per_depth_acceptance"][1] > 0.05, metrics  # trees were really used
+    p = next_token_homogeneity_pvalue(plain[1], biased[0])
+    assert p < 1e-6, f"the unnormalised-siblings rule passed the next-token test (p={p:.2e})"
