@@ -4,9 +4,10 @@ Why: ``vllm-treespec bench`` serves one method after another, and on these
 shared machines a server run drifts by 10 % and more against the next one, so
 a single served run cannot resolve the differences between speculative methods.
 Here one ``vllm-treespec serve`` per method starts first, then each turn is sent
-to every server in turn (one request at a time, streaming, greedy): slow drift
-of the machine hits all methods alike, while each measurement still includes
-everything a served request pays (API server, engine core, worker). With
+to every server in turn (one request at a time, streaming, greedy unless
+``--temperature``): slow drift of the machine hits all methods alike, while
+each measurement still includes everything a served request pays (API server,
+engine core, worker). With
 ``--concurrency N`` the turns go in rounds of N concurrent requests, each round
 to every server in turn (servers get ``--max-num-seqs N``); tok/s is then the
 output tokens of the rounds over their wall time, and the per-turn ratios below
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)
     p.add_argument("--tree", default=None, help="JSON of eagle3_tree settings")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling for every request (default: not sent)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight per server (rounds of this many turns)")
     p.add_argument("--serve-args", default=None,
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{label}: starting server")
             servers[label] = Server(args.model, shlex.split(args.serve_args), spec,
                                     out / f"server-{slug(label)}.log", env=env)
-        drivers = {label: Driver(s, args.max_tokens) for label, s in servers.items()}
+        drivers = {label: Driver(s, args.max_tokens, args.temperature, top_p=args.top_p)
+                   for label, s in servers.items()}
         for d in drivers.values():
             d.run_turn(pangu240.Turn("warmup", "warmup",
                                      [{"role": "user", "content": "Say hello."}]))
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {"command": "python benchmarks/served_ab.py " + " ".join(
                    shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
                "turns": len(turns), "max_tokens": args.max_tokens,
+               "temperature": args.temperature, "top_p": args.top_p,
                "concurrency": args.concurrency, "env": env, "methods": {}}
 
     def round_rates(label):  # output tok/s of each round
