@@ -142,6 +142,29 @@ def test_stochastic_with_one_hot_targets_equals_greedy(tree, seed):
     assert torch.equal(g.tokens, s.tokens) and torch.equal(g.path, s.path)
 
 
+@given(tree_batches(max_nodes=10, vocab=5, max_children=3), st.integers(0, 2**31))
+def test_on_demand_distributions_equal_the_full_table(tree, seed):
+    """Distributions asked for node by node give the same walk as the [B, T, V]
+    table, and the walk asks for at most depth + 1 nodes per tree."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, D, C = tree.batch_size, tree.tree_size, tree.max_depth, tree.max_children
+    probs = torch.rand(B, T, 5, generator=gen) ** 3  # unnormalised, some near 0
+    uniforms, noise = torch.rand(B, D, C, generator=gen), torch.rand(B, 5, generator=gen) + 0.1
+    asked = []
+
+    def probs_at(rows, nodes):
+        asked.extend(zip(rows.tolist(), nodes.tolist()))
+        return probs[rows, nodes]
+
+    full = stochastic_accept(tree, probs, uniforms, noise)
+    lazy = stochastic_accept(tree, probs_at, uniforms, noise)
+    assert torch.equal(full.path, lazy.path) and torch.equal(full.tokens, lazy.tokens)
+    assert len(asked) == len(set(asked))  # no node twice
+    for b in range(B):
+        walked = {n for r, n in asked if r == b}
+        assert walked == set(lazy.path[b].tolist())  # exactly the accepted path's nodes
+
+
 def test_zero_probability_draft_is_never_accepted_even_at_u_zero():
     # Root with children 2 (p=0) then 1 (p=0); target mass entirely on token 0.
     tree = TreeBatch.from_parents([[0, 2, 1]], [[0, 0, 0]], tree_size=3)

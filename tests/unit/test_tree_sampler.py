@@ -14,7 +14,7 @@ pytest.importorskip("vllm")
 
 from vllm_treespec.tree import TreeBatch  # noqa: E402
 from vllm_treespec.vllm_glue.tree_sampler import (  # noqa: E402
-    VerifyStep, row_argmax, sample_with_trees)
+    VerifyStep, node_probs, row_argmax, sample_with_trees)
 
 V = 16
 
@@ -60,3 +60,22 @@ def test_row_argmax_equals_torch_argmax(values, rows):
     x = torch.tensor(values * rows, dtype=torch.float32).view(rows, -1)
     assert torch.equal(row_argmax(x), x.argmax(-1))
     assert torch.equal(row_argmax(x.t().contiguous().t()), x.argmax(-1))  # strided: torch's
+
+
+def test_node_probs_on_demand_equal_the_whole_tree_computation():
+    """Asked for (tree, node) pairs in any order, ``node_probs`` returns what
+    temperature, top-k and top-p over every node of every tree give at once."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    step, _, logits = _step_and_logits(torch.float32)
+    Bt, T = step.tree.batch_size, step.tree.tree_size
+    processed = torch.randn(Bt, T, V, generator=torch.Generator().manual_seed(1))
+    md = SimpleNamespace(temperature=torch.tensor([0.7, 1.3]), top_k=torch.tensor([5, V]),
+                         top_p=torch.tensor([1.0, 0.8]))
+    x = processed / md.temperature.view(Bt, 1, 1)
+    whole = torch.softmax(apply_top_k_top_p(x.reshape(Bt * T, V), md.top_k.repeat_interleave(T),
+                                            md.top_p.repeat_interleave(T)), -1).view(Bt, T, V)
+    rows, nodes = torch.tensor([1, 0, 0, 1, 1]), torch.tensor([2, 4, 0, 0, 3])
+    got = node_probs(processed, step, md, rows, nodes)
+    torch.testing.assert_close(got, whole[rows, nodes], rtol=0, atol=0)
+    assert int((got[0] > 0).sum()) < V and int((got[1] > 0).sum()) <= 5  # top-p / top-k cut

@@ -37,7 +37,7 @@ decoded one by one (idx_k >= k, and nothing to do when idx_k == k for all k).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -163,37 +163,48 @@ def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
     return torch.argmax(target_probs.float() / noise[rows, depth], dim=-1)
 
 
-def stochastic_accept(tree: TreeBatch, target_probs: torch.Tensor,
+# [B, T, V] distributions of every node, or rows, nodes -> [n, V] at those nodes.
+NodeProbs = torch.Tensor | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def stochastic_accept(tree: TreeBatch, target_probs: NodeProbs,
                       uniforms: torch.Tensor | None = None,
                       noise: torch.Tensor | None = None,
                       generator: torch.Generator | None = None) -> Acceptance:
     """Lossless multi-draft rejection sampling (see module docstring).
 
     target_probs: [B, T, V] target next-token distribution at each node (after the
-        request's temperature / top-k / top-p). Rows need not be normalised.
+        request's temperature / top-k / top-p), or a function (rows [n], nodes
+        [n]) -> [n, V] giving tree ``rows[i]``'s distribution at ``nodes[i]``: the
+        walk reads at most D + 1 nodes per tree, so a caller whose distributions
+        are costly (top-k / top-p sort the vocabulary) computes only those. Rows
+        need not be normalised.
     uniforms: [B, D, C] U[0,1) draws, one per (depth, child slot); drawn if None.
     noise: [B, V] Exp(1) draws for the final residual sample (exponential race:
         argmax(r / E) is distributed as r / sum(r)); drawn if None.
     """
-    B, T, V = target_probs.shape
-    D, C = tree.max_depth, tree.max_children
-    dev = target_probs.device
+    B, D, C = tree.batch_size, tree.max_depth, tree.max_children
+    dev = tree.device
+    rows = torch.arange(B, device=dev)
+    probs_at = target_probs if callable(target_probs) else \
+        (lambda r, nodes: target_probs[r, nodes])
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    p_cur = probs_at(rows, cur).float()  # [B, V] at each walk's current node
     if uniforms is None:
         uniforms = torch.rand(B, D, C, device=dev, generator=generator)
     if noise is None:
-        noise = torch.empty(B, V, device=dev).exponential_(generator=generator)
-    probs = target_probs.float()
-    rows = torch.arange(B, device=dev)
+        noise = torch.empty(B, p_cur.shape[1], device=dev).exponential_(generator=generator)
     slots = torch.arange(C, device=dev).unsqueeze(0)
     children, num_children = tree.children, tree.num_children
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
     walking = torch.ones(B, dtype=torch.bool, device=dev)
     path = [cur]
     for d in range(D):
         kids = children[rows, cur]                                   # [B, C]
         kid_ok = slots < num_children[rows, cur].unsqueeze(1)
+        if not bool((kid_ok & walking.unsqueeze(1)).any()):
+            break  # every walk has stopped: the rest of the path repeats cur
         kid_tok = torch.gather(tree.token, 1, kids)
-        p_kid = torch.where(kid_ok, torch.gather(probs[rows, cur], 1, kid_tok), 0.0)
+        p_kid = torch.where(kid_ok, torch.gather(p_cur, 1, kid_tok), 0.0)
         mass_before = torch.cumsum(p_kid, dim=1) - p_kid
         # Accept x_j w.p. p(x_j) / (1 - mass of earlier siblings); written as a
         # product so a residual of 0 never divides. p(x_j) > 0 is required: a
@@ -202,11 +213,15 @@ def stochastic_accept(tree: TreeBatch, target_probs: torch.Tensor,
         accept &= walking.unsqueeze(1)
         took = accept.any(dim=1)
         first = torch.argmax(accept.to(torch.int8), dim=1)
-        cur = torch.where(took, torch.gather(kids, 1, first.unsqueeze(1)).squeeze(1), cur)
+        moved = torch.where(took, torch.gather(kids, 1, first.unsqueeze(1)).squeeze(1), cur)
+        moved_rows = took.nonzero().squeeze(1)
+        if moved_rows.numel():
+            p_cur[moved_rows] = probs_at(moved_rows, moved[moved_rows]).float()
+        cur = moved
         walking &= took
         path.append(cur)
+    path += [cur] * (D + 1 - len(path))
     # Residual at the terminal node: its children (all rejected, or none) removed.
-    p_cur = probs[rows, cur]
     kids = children[rows, cur]
     kid_ok = slots < num_children[rows, cur].unsqueeze(1)
     removed = torch.zeros_like(p_cur).scatter_add_(

@@ -26,8 +26,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 
 from vllm_treespec.attention import DraftTreeLevelMetadata
-from vllm_treespec.config import TreeSpecConfigError
-from vllm_treespec.vllm_glue.support import NOT_A_PARALLEL_HEAD
+from vllm_treespec.vllm_glue.support import NOT_A_PARALLEL_HEAD, bad_drafter
 
 
 def read_mask_hidden(model: str, revision: str | None = None,
@@ -47,7 +46,7 @@ def read_mask_hidden(model: str, revision: str | None = None,
         with safe_open(file, "pt") as weights:
             if "mask_hidden" in weights.keys():
                 return weights.get_tensor("mask_hidden")
-    raise TreeSpecConfigError(f"eagle3_tree: drafter {str(path)!r}: {NOT_A_PARALLEL_HEAD}")
+    raise bad_drafter(path, NOT_A_PARALLEL_HEAD)
 
 
 class ParallelDrafting:

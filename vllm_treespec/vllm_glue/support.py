@@ -62,7 +62,7 @@ NOT_A_PARALLEL_HEAD = ("no 'mask_hidden' tensor in its weights: not a parallel-d
                        "train-drafter --parallel K`)")
 
 
-def _bad_drafter(where: Path | str, what: str) -> TreeSpecConfigError:
+def bad_drafter(where: Path | str, what: str) -> TreeSpecConfigError:
     return TreeSpecConfigError(f"eagle3_tree: drafter {str(where)!r}: {what}")
 
 
@@ -84,13 +84,13 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise _bad_drafter(path / "config.json", f"unreadable ({e})") from None
+        raise bad_drafter(path / "config.json", f"unreadable ({e})") from None
     # Speculators-format checkpoints keep the layer's sizes one level down.
     layer = config.get("transformer_layer_config") or {}
     hidden = (config.get("target_hidden_size") or config.get("hidden_size")
               or layer.get("hidden_size"))
     if hidden != target.hidden_size:
-        raise _bad_drafter(path, f"trained on hidden states of size {hidden} "
+        raise bad_drafter(path, f"trained on hidden states of size {hidden} "
                                  f"(config.json target_hidden_size / hidden_size); the "
                                  f"target's hidden_size is {target.hidden_size}")
     layer_ids = config.get("eagle_aux_hidden_state_layer_ids") or (
@@ -98,20 +98,20 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
     layers = target.num_hidden_layers
     if layer_ids is not None and not all(
             isinstance(i, int) and 0 <= i < layers for i in layer_ids):
-        raise _bad_drafter(path, f"eagle_aux_hidden_state_layer_ids {layer_ids} in "
+        raise bad_drafter(path, f"eagle_aux_hidden_state_layer_ids {layer_ids} in "
                                  f"config.json; the target has layers 0..{layers - 1}")
     vocab = config.get("vocab_size") or layer.get("vocab_size")
     if vocab != target.vocab_size:
-        raise _bad_drafter(path, f"vocab_size {vocab} in config.json; "
+        raise bad_drafter(path, f"vocab_size {vocab} in config.json; "
                                  f"the target's vocab_size is {target.vocab_size}")
     if parallel_depth is not None:
         check_parallel_head(path, config, parallel_depth)
     files = sorted(path.glob("*.safetensors"))
     if not files and not any(path.glob("*.bin")):
-        raise _bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
+        raise bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
     masks = [_check_drafter_weights(file, 3 * hidden, target.vocab_size) for file in files]
     if parallel_depth is not None and not any(m is not None for m in masks):
-        raise _bad_drafter(path, NOT_A_PARALLEL_HEAD)
+        raise bad_drafter(path, NOT_A_PARALLEL_HEAD)
 
 
 def check_parallel_head(path: Path | str, config: dict, depth: int) -> None:
@@ -119,7 +119,7 @@ def check_parallel_head(path: Path | str, config: dict, depth: int) -> None:
     at least ``depth`` slots (also run on a hub drafter's config once vLLM has it)."""
     pard = config.get("pard_token")
     if isinstance(pard, bool) or not isinstance(pard, int):
-        raise _bad_drafter(path, "no integer 'pard_token' in config.json: not trained for "
+        raise bad_drafter(path, "no integer 'pard_token' in config.json: not trained for "
                                  "parallel drafting; use \"draft\": \"sequential\" or a head "
                                  "trained with `vllm-treespec train-drafter --parallel K`")
     slots = config.get("parallel_drafting_slots")
@@ -145,19 +145,19 @@ def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> Any:
             mask = (weights.get_slice("mask_hidden").get_shape() if "mask_hidden" in keys
                     else None)
     except Exception as e:  # safetensors raises its own error types
-        raise _bad_drafter(file, f"not a readable safetensors file ({e}); copy or "
+        raise bad_drafter(file, f"not a readable safetensors file ({e}); copy or "
                                  f"export the drafter again") from None
     if fc is not None and fc[-1] != fc_inputs:
-        raise _bad_drafter(file, f"fc.weight has shape {list(fc)}; an EAGLE-3 drafter of "
+        raise bad_drafter(file, f"fc.weight has shape {list(fc)}; an EAGLE-3 drafter of "
                                  f"this target needs {fc_inputs} inputs (3 x hidden_size)")
     if d2t is not None:
         target_ids = torch.arange(d2t.numel()) + d2t.flatten()
         if target_ids.numel() and not (0 <= int(target_ids.min()) and int(target_ids.max()) < vocab):
-            raise _bad_drafter(file, f"d2t maps draft tokens to target ids "
+            raise bad_drafter(file, f"d2t maps draft tokens to target ids "
                                      f"{int(target_ids.min())}..{int(target_ids.max())}; the "
                                      f"target vocabulary is 0..{vocab - 1}")
     if mask is not None and math.prod(mask) != fc_inputs:
-        raise _bad_drafter(file, f"mask_hidden has shape {list(mask)}; a parallel-drafting "
+        raise bad_drafter(file, f"mask_hidden has shape {list(mask)}; a parallel-drafting "
                                  f"head of this target needs {fc_inputs} values")
     return mask
 

@@ -24,6 +24,7 @@ logits processors, specific-token logprobs) are never given a tree
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
@@ -135,16 +136,17 @@ def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.T
     return x.view(Bt, T, -1)
 
 
-def node_probs(processed: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
-    """[Bt, T, V] target next-token distribution at every node (random requests)."""
-    Bt, T, V = processed.shape
-    idx = step.req_index
-    temp = md.temperature[idx].float().clamp_min(SAMPLING_EPS)
-    x = processed / temp.view(Bt, 1, 1)
-    k = md.top_k[idx].repeat_interleave(T) if md.top_k is not None else None
-    p = md.top_p[idx].repeat_interleave(T) if md.top_p is not None else None
-    x = apply_top_k_top_p(x.reshape(Bt * T, V), k, p)
-    return torch.softmax(x, dim=-1).view(Bt, T, V)
+def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor,
+               nodes: torch.Tensor) -> torch.Tensor:
+    """[n, V] target next-token distribution of tree ``rows[i]`` at node
+    ``nodes[i]`` (temperature, top-k, top-p over the processed logits). On
+    demand, because top-k / top-p sort the whole vocabulary per row and the
+    acceptance walk reads at most depth + 1 of a tree's nodes."""
+    idx = step.req_index[rows]
+    x = processed[rows, nodes] / md.temperature[idx].float().clamp_min(SAMPLING_EPS).unsqueeze(1)
+    k = md.top_k[idx] if md.top_k is not None else None
+    p = md.top_p[idx] if md.top_p is not None else None
+    return torch.softmax(apply_top_k_top_p(x, k, p), dim=-1)
 
 
 def _random_draws(step: VerifyStep, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,24 +194,29 @@ def _position_noise(seed: int, first: int, count: int, vocab: int,
 
 
 def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], argmax: torch.Tensor,
-                       probs: torch.Tensor, greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
+                       probs, greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
     """Sampled seeded requests accept with per-position noise (``position_samples``),
     the noise vLLM's sampler uses for the same position on a plain step: their
     output depends on the seed alone, not on the trees or off steps the adaptive
     budget chose (timing-dependent). seeds: batch row -> the request's seed;
-    argmax: [Bt, T] the nodes' greedy picks (kept for the rows not seeded)."""
+    argmax: [Bt, T] the nodes' greedy picks (kept for the rows not seeded);
+    probs: (rows, nodes) -> distributions, as ``node_probs``."""
     seeded = [(i, seeds[b]) for i, b in enumerate(step.req_index.tolist())
               if b in seeds and not bool(greedy[i])]
     if not seeded:
         return acc
     tree = step.tree
-    rows = torch.tensor([i for i, _ in seeded], device=probs.device)
+    dev, T = argmax.device, tree.tree_size
+    rows = torch.tensor([i for i, _ in seeded], device=dev)
+    # Every node samples here (the walk follows the samples): all their distributions.
+    node_p = probs(rows.repeat_interleave(T), torch.arange(T, device=dev).repeat(len(rows)))
+    node_p = node_p.view(len(rows), T, -1)
     count = int(tree.depth[rows].max()) + 1  # the depths these trees use, not the cap
     noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count,
-                                         probs.shape[-1], probs.device) for i, seed in seeded])
+                                         node_p.shape[-1], dev) for i, seed in seeded])
     samples = argmax.clone()
-    samples[rows] = position_samples(probs[rows], tree.depth[rows], noise)
-    take = torch.zeros(tree.batch_size, dtype=torch.bool, device=probs.device)
+    samples[rows] = position_samples(node_p, tree.depth[rows], noise)
+    take = torch.zeros(tree.batch_size, dtype=torch.bool, device=dev)
     take[rows] = True
     return greedy_accept(tree, samples).where(take, acc)
 
@@ -240,8 +247,8 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     argmax = row_argmax(processed)
     acc = greedy_accept(step.tree, argmax)
     if not bool(greedy.all()):
-        probs = node_probs(processed, step, md)
-        uniforms, noise = _random_draws(step, probs.shape[-1])
+        probs = functools.partial(node_probs, processed, step, md)
+        uniforms, noise = _random_draws(step, processed.shape[-1])
         acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
         acc = _seeded_acceptance(step, seeds, argmax, probs, greedy, acc)
     logprobs = None

@@ -1,0 +1,110 @@
+"""Cost of accepting trees at temperature > 0: target distributions of every node
+against only the nodes the acceptance walk reads.
+
+A tree step at T > 0 turns each node's logits into the request's distribution
+(temperature, top-k, top-p: a sort of the whole vocabulary per row) before the
+lossless multi-draft walk. The walk reads at most depth + 1 nodes of each tree,
+so ``tree_sampler.node_probs`` computes those on demand. This times both ways on
+the same inputs with the real functions and checks they accept the same tokens.
+
+    python benchmarks/tree_sampling_cost.py [--batch 1,16,32] [--top-p 0.9] [--out FILE]
+
+Trees: 13 nodes, depth 4 (3, 5, 3 and 1 nodes at depths 1 to 4, widest under the best
+branch), a shape the adaptive budget drafts at batch 1. The target puts ``--peak`` extra
+logit on each node's first child, so walks go as deep as real ones do (reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from vllm_treespec.tree import TreeBatch, stochastic_accept
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_probs
+
+VOCAB = 49152  # SmolLM2
+PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 6, 9]  # node i's parent (root: itself)
+
+
+def make_step(B: int, peak: float, gen: torch.Generator):
+    tokens = torch.randint(0, VOCAB, (B, len(PARENTS)), generator=gen)
+    tree = TreeBatch.from_parents(tokens.tolist(), [PARENTS] * B, tree_size=len(PARENTS),
+                                  max_children=3)
+    T = tree.tree_size
+    step = VerifyStep(req_index=torch.arange(B), tree=tree, prefix_len=torch.full((B,), 100),
+                      token_start=torch.arange(B) * T, logit_start=torch.arange(B) * T,
+                      num_reqs=B)
+    processed = torch.randn(B, T, VOCAB, generator=gen) * 2
+    first_child = {}
+    for node, parent in enumerate(PARENTS[1:], start=1):
+        first_child.setdefault(parent, node)
+    for parent, child in first_child.items():
+        processed[torch.arange(B), parent, tokens[:, child]] += peak
+    return step, processed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1,16,32")
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    ap.add_argument("--peak", type=float, default=9.0)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for B in map(int, args.batch.split(",")):
+        step, processed = make_step(B, args.peak, gen)
+        T = step.tree.tree_size
+        md = SimpleNamespace(temperature=torch.full((B,), args.temperature),
+                             top_p=torch.full((B,), args.top_p) if args.top_p < 1 else None,
+                             top_k=torch.full((B,), args.top_k) if args.top_k else None)
+        every_row = torch.arange(B).repeat_interleave(T)
+        every_node = torch.arange(T).repeat(B)
+
+        def whole_table(u, n):
+            table = node_probs(processed, step, md, every_row, every_node).view(B, T, -1)
+            return stochastic_accept(step.tree, table, u, n)
+
+        def on_demand(u, n):
+            return stochastic_accept(step.tree, functools.partial(node_probs, processed, step, md),
+                                     u, n)
+
+        times = {"whole_table": [], "on_demand": []}
+        accepted = []
+        for _ in range(args.reps):
+            u = torch.rand(B, step.tree.max_depth, step.tree.max_children, generator=gen)
+            n = torch.empty(B, VOCAB).exponential_(generator=gen)
+            results = {}
+            for name, fn in (("whole_table", whole_table), ("on_demand", on_demand)):
+                t0 = time.perf_counter()
+                results[name] = fn(u, n)
+                times[name].append(time.perf_counter() - t0)
+            assert torch.equal(results["whole_table"].tokens, results["on_demand"].tokens)
+            accepted.append(float(results["on_demand"].num_accepted.float().mean()))
+        row = {"batch": B, "nodes": T,
+               **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
+               "mean_accepted": statistics.mean(accepted)}
+        row["speedup"] = row["whole_table_ms"] / row["on_demand_ms"]
+        rows.append(row)
+        print(f"B={B:3d} T={T}: whole table {row['whole_table_ms']:8.2f} ms, on demand "
+              f"{row['on_demand_ms']:7.2f} ms ({row['speedup']:.1f}x), accepted "
+              f"{row['mean_accepted']:.2f} drafts/tree", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "torch_threads": torch.get_num_threads(),
+                       "cpu": platform.processor() or platform.machine(), "rows": rows}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()
