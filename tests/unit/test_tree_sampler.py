@@ -79,3 +79,17 @@ def test_node_probs_on_demand_equal_the_whole_tree_computation():
     got = node_probs(processed, step, md, rows, nodes)
     torch.testing.assert_close(got, whole[rows, nodes], rtol=0, atol=0)
     assert int((got[0] > 0).sum()) < V and int((got[1] > 0).sum()) <= 5  # top-p / top-k cut
+
+
+def test_sampled_batch_of_trees_skips_vllms_sampler():
+    """At T > 0 a batch whose every request carries a tree (and asks no logprobs)
+    takes all its tokens from the trees: vLLM's sampler (None here) is not
+    called, which would sort the vocabulary for top-p once more per request."""
+    step, spec_md, logits = _step_and_logits(torch.float32)
+    md = SimpleNamespace(all_greedy=False, max_num_logprobs=None, no_penalties=True,
+                         allowed_token_ids_mask=None, temperature=torch.tensor([0.7, 0.0]),
+                         top_k=None, top_p=torch.tensor([0.9, 1.0]))
+    out, acc = sample_with_trees(None, logits, spec_md, md, step, {})
+    assert out.sampled_token_ids[1].tolist() == [5, 12, -1]  # the greedy request, as greedy
+    tokens = out.sampled_token_ids[0].tolist()
+    assert tokens[: int(acc.num_accepted[0]) + 1] and min(tokens[: int(acc.num_accepted[0]) + 1]) >= 0

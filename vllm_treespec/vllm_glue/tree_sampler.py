@@ -227,10 +227,12 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     dev = logits.device
     # 1. vLLM's sampler on one row per request: the output of requests without a
     #    tree, and the logprobs layout. Tree requests' rows are overwritten below,
-    #    so a greedy batch of trees only (the common batch-1 step) skips it.
-    skip_base = (step.tree.batch_size == num_reqs and md.all_greedy
-                 and md.max_num_logprobs is None)
-    if skip_base and md.allowed_token_ids_mask is None and md.no_penalties:
+    #    so a batch of trees only (the common batch-1 step) skips it: at T > 0 it
+    #    would sort the vocabulary for top-p once more per request, for nothing
+    #    (tree requests need no batch-aligned processor: ``tree_safe``; seeded
+    #    rows draw per-position noise, not from the generator's stream).
+    skip_base = step.tree.batch_size == num_reqs and md.max_num_logprobs is None
+    if skip_base and md.all_greedy and md.allowed_token_ids_mask is None and md.no_penalties:
         # Greedy and nothing to process: the argmax of the raw rows, without
         # copying every node's logits (the batch-1 step's common case).
         return _output(num_reqs, None, step,
