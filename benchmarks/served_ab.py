@@ -22,7 +22,9 @@ Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1
 Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``), so
 that five of them fit in 24 GB. Writes DIR/served_ab.json and prints a markdown
 table: tok/s over all turns, its ratio to the first method, the per-turn ratio
-(mean and p10/p90), TPOT and the acceptance length from each server's /metrics.
+(mean and p10/p90), TPOT, the acceptance length from each server's /metrics, and
+how many turns returned the first method's text (greedy: all, for a lossless
+method on a batch-invariant machine).
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             "turn_ratio_p90": pct(ratios, 90),
             "tpot_ms": 1e3 * mean([r.tpot_s for r in rs]),
             "accept_len": accept_len_between(before[label], after[label]),
+            # Greedy: a lossless method returns the first method's text for every turn.
+            "same_text_as_first": sum(r.text == f.text for r, f in zip(rs, results[first])),
             "turns": [{"turn": r.turn_id, "tokens": r.output_tokens, "e2e_s": r.e2e_s,
                        "ttft_s": r.ttft_s} for r in rs]}
     (out / "served_ab.json").write_text(json.dumps(summary, indent=1))
@@ -145,13 +149,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(summary: dict, first: str) -> str:
     lines = [f"| method | tok/s | vs `{first}` | per turn mean (p10 / p90) | TPOT ms "
-             "| accept len |",
-             "|---|---|---|---|---|---|"]
+             f"| accept len | same text as `{first}` |",
+             "|---|---|---|---|---|---|---|"]
     for label, m in summary["methods"].items():
         acc = "–" if m["accept_len"] is None else f"{m['accept_len']:.2f}"
         lines.append(f"| {label} | {m['tok_s']:.2f} | {m['ratio']:.3f} | "
                      f"{m['turn_ratio_mean']:.3f} ({m['turn_ratio_p10']:.2f} / "
-                     f"{m['turn_ratio_p90']:.2f}) | {m['tpot_ms']:.1f} | {acc} |")
+                     f"{m['turn_ratio_p90']:.2f}) | {m['tpot_ms']:.1f} | {acc} | "
+                     f"{m['same_text_as_first']}/{len(m['turns'])} |")
     return "\n".join(lines)
 
 

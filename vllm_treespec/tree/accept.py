@@ -156,7 +156,7 @@ def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
                      noise: torch.Tensor) -> torch.Tensor:
     """[B, T] each node's sample for the positional rule (see module docstring):
     argmax(p / E) with the noise of its position. ``greedy_accept(tree, samples)``
-    then accepts with it. target_probs: [B, T, V] as for ``stochastic_accept``;
+    then accepts with it. target_probs: [B, T, V] (a table, every node samples);
     depth: [B, T] node depths; noise: [B, D+1, V] Exp(1) draws of the positions
     after the root (depth d samples position root + 1 + d)."""
     rows = torch.arange(depth.shape[0], device=depth.device).unsqueeze(1)
@@ -215,8 +215,8 @@ def stochastic_accept(tree: TreeBatch, target_probs: NodeProbs,
         first = torch.argmax(accept.to(torch.int8), dim=1)
         moved = torch.where(took, torch.gather(kids, 1, first.unsqueeze(1)).squeeze(1), cur)
         moved_rows = took.nonzero().squeeze(1)
-        if moved_rows.numel():
-            p_cur[moved_rows] = probs_at(moved_rows, moved[moved_rows]).float()
+        if moved_rows.numel():  # out of place: p_cur may be what probs_at returned
+            p_cur = p_cur.index_put((moved_rows,), probs_at(moved_rows, moved[moved_rows]).float())
         cur = moved
         walking &= took
         path.append(cur)

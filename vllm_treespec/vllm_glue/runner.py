@@ -8,7 +8,7 @@ Per step, for requests whose scheduled draft tokens are a tree:
    ``P + i``); we rewrite their rotary positions to ``P + depth(i)`` after the
    slot mapping exists, and prepare the tree rows for the attention backend.
 2. ``_build_attention_metadata``: the tree rows ride on the attention metadata.
-3. ``_sample``: target distributions at every node -> acceptance -> commit: the
+3. ``_sample``: target distributions at the nodes -> acceptance -> commit: the
    accepted path's KV (every layer), input ids and hidden states are copied to
    the front (``P+idx_k -> P+k``, skipped when already there) and positions made
    linear again, so the scheduler's ``num_computed -= rejected`` and the

@@ -5,14 +5,17 @@ far = output + the first j drafts", and its bonus row is the last one. With a
 tree, the context of node i is ``output + path(i)`` and any node can supply the
 bonus token. So in tree mode:
 
-* every request first goes through vLLM's own ``Sampler`` on one row (its only
-  row, or its root row): requests without a tree take that token as their output,
-  and batch-aligned logits processors see exactly the batch they expect;
-* tree requests get their target distribution at every node from the same
+* where some request has no tree (or logprobs are asked for), every request
+  first goes through vLLM's own ``Sampler`` on one row (its only row, or its root
+  row): requests without a tree take that token as their output, and
+  batch-aligned logits processors see exactly the batch they expect; a batch of
+  trees only skips it (nothing of it would be used);
+* tree requests get their target distribution at the nodes from the same
   processing vLLM applies (allowed-token mask, repetition / frequency / presence
   penalties over ``output + path``, temperature, top-k, top-p), then the tree
   acceptance rule: greedy longest path at temperature 0, lossless multi-draft
-  rejection sampling otherwise (per request, in one batch);
+  rejection sampling otherwise (per request, in one batch), which asks for the
+  distributions of the nodes its walk reaches only (``node_probs``);
 * logprobs of emitted tokens come from the node rows that produced them.
 
 Requests whose sampling parameters need processing not listed above (min-p,
@@ -141,7 +144,10 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor
     """[n, V] target next-token distribution of tree ``rows[i]`` at node
     ``nodes[i]`` (temperature, top-k, top-p over the processed logits). On
     demand, because top-k / top-p sort the whole vocabulary per row and the
-    acceptance walk reads at most depth + 1 of a tree's nodes."""
+    acceptance walk reads at most depth + 1 of a tree's nodes. vLLM's
+    ``apply_top_k_top_p`` is row by row on the CPU; where it picks a kernel by row
+    count (CUDA: Triton from 8 rows), a top-p boundary may round differently, as
+    between vLLM's own batch sizes."""
     idx = step.req_index[rows]
     x = processed[rows, nodes] / md.temperature[idx].float().clamp_min(SAMPLING_EPS).unsqueeze(1)
     k = md.top_k[idx] if md.top_k is not None else None
