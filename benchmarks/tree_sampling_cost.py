@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_treespec.tree import TreeBatch, stochastic_accept
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_probs
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_probs, node_table
 
 VOCAB = 49152  # SmolLM2
 PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 6, 9]  # node i's parent (root: itself)
@@ -68,16 +68,13 @@ def main() -> None:
         md = SimpleNamespace(temperature=torch.full((B,), args.temperature),
                              top_p=torch.full((B,), args.top_p) if args.top_p < 1 else None,
                              top_k=torch.full((B,), args.top_k) if args.top_k else None)
-        every_row = torch.arange(B).repeat_interleave(T)
-        every_node = torch.arange(T).repeat(B)
+        probs = functools.partial(node_probs, processed, step, md)
 
         def whole_table(u, n):
-            table = node_probs(processed, step, md, every_row, every_node).view(B, T, -1)
-            return stochastic_accept(step.tree, table, u, n)
+            return stochastic_accept(step.tree, node_table(probs, torch.arange(B), T), u, n)
 
         def on_demand(u, n):
-            return stochastic_accept(step.tree, functools.partial(node_probs, processed, step, md),
-                                     u, n)
+            return stochastic_accept(step.tree, probs, u, n)
 
         times = {"whole_table": [], "on_demand": []}
         accepted = []

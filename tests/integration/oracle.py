@@ -181,9 +181,9 @@ def break_stochastic_acceptance(worker) -> bool:
 
     def greedy_instead(tree, probs, uniforms=None, noise=None, generator=None):
         if callable(probs):  # distributions on demand: every node's
-            B, T = tree.batch_size, tree.tree_size
-            rows = torch.arange(B, device=tree.device).repeat_interleave(T)
-            probs = probs(rows, torch.arange(T, device=tree.device).repeat(B)).view(B, T, -1)
+            probs = tree_sampler.node_table(probs, torch.arange(tree.batch_size,
+                                                                device=tree.device),
+                                            tree.tree_size)
         return greedy_accept(tree, torch.argmax(probs, dim=-1))
 
     tree_sampler.stochastic_accept = greedy_instead

@@ -91,19 +91,19 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
               or layer.get("hidden_size"))
     if hidden != target.hidden_size:
         raise bad_drafter(path, f"trained on hidden states of size {hidden} "
-                                 f"(config.json target_hidden_size / hidden_size); the "
-                                 f"target's hidden_size is {target.hidden_size}")
+                                f"(config.json target_hidden_size / hidden_size); the "
+                                f"target's hidden_size is {target.hidden_size}")
     layer_ids = config.get("eagle_aux_hidden_state_layer_ids") or (
         config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     layers = target.num_hidden_layers
     if layer_ids is not None and not all(
             isinstance(i, int) and 0 <= i < layers for i in layer_ids):
         raise bad_drafter(path, f"eagle_aux_hidden_state_layer_ids {layer_ids} in "
-                                 f"config.json; the target has layers 0..{layers - 1}")
+                                f"config.json; the target has layers 0..{layers - 1}")
     vocab = config.get("vocab_size") or layer.get("vocab_size")
     if vocab != target.vocab_size:
         raise bad_drafter(path, f"vocab_size {vocab} in config.json; "
-                                 f"the target's vocab_size is {target.vocab_size}")
+                                f"the target's vocab_size is {target.vocab_size}")
     if parallel_depth is not None:
         check_parallel_head(path, config, parallel_depth)
     files = sorted(path.glob("*.safetensors"))
@@ -120,8 +120,8 @@ def check_parallel_head(path: Path | str, config: dict, depth: int) -> None:
     pard = config.get("pard_token")
     if isinstance(pard, bool) or not isinstance(pard, int):
         raise bad_drafter(path, "no integer 'pard_token' in config.json: not trained for "
-                                 "parallel drafting; use \"draft\": \"sequential\" or a head "
-                                 "trained with `vllm-treespec train-drafter --parallel K`")
+                                "parallel drafting; use \"draft\": \"sequential\" or a head "
+                                "trained with `vllm-treespec train-drafter --parallel K`")
     slots = config.get("parallel_drafting_slots")
     if isinstance(slots, int) and not isinstance(slots, bool) and depth > slots:
         raise TreeSpecConfigError(
@@ -146,19 +146,19 @@ def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> Any:
                     else None)
     except Exception as e:  # safetensors raises its own error types
         raise bad_drafter(file, f"not a readable safetensors file ({e}); copy or "
-                                 f"export the drafter again") from None
+                                f"export the drafter again") from None
     if fc is not None and fc[-1] != fc_inputs:
         raise bad_drafter(file, f"fc.weight has shape {list(fc)}; an EAGLE-3 drafter of "
-                                 f"this target needs {fc_inputs} inputs (3 x hidden_size)")
+                                f"this target needs {fc_inputs} inputs (3 x hidden_size)")
     if d2t is not None:
         target_ids = torch.arange(d2t.numel()) + d2t.flatten()
         if target_ids.numel() and not (0 <= int(target_ids.min()) and int(target_ids.max()) < vocab):
             raise bad_drafter(file, f"d2t maps draft tokens to target ids "
-                                     f"{int(target_ids.min())}..{int(target_ids.max())}; the "
-                                     f"target vocabulary is 0..{vocab - 1}")
+                                    f"{int(target_ids.min())}..{int(target_ids.max())}; the "
+                                    f"target vocabulary is 0..{vocab - 1}")
     if mask is not None and math.prod(mask) != fc_inputs:
         raise bad_drafter(file, f"mask_hidden has shape {list(mask)}; a parallel-drafting "
-                                 f"head of this target needs {fc_inputs} values")
+                                f"head of this target needs {fc_inputs} values")
     return mask
 
 

@@ -155,6 +155,13 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor
     return torch.softmax(apply_top_k_top_p(x, k, p), dim=-1)
 
 
+def node_table(probs, rows: torch.Tensor, tree_size: int) -> torch.Tensor:
+    """[len(rows), T, V] every node's distribution of trees ``rows``, from a
+    (rows, nodes) -> [n, V] function such as ``node_probs``."""
+    nodes = torch.arange(tree_size, device=rows.device).repeat(len(rows))
+    return probs(rows.repeat_interleave(tree_size), nodes).view(len(rows), tree_size, -1)
+
+
 def _random_draws(step: VerifyStep, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniforms [Bt, D, C] and Exp(1) noise [Bt, V] for ``stochastic_accept``.
     Seeded requests' rows are not used: they accept with per-position noise
@@ -212,11 +219,10 @@ def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], argmax: torch.Te
     if not seeded:
         return acc
     tree = step.tree
-    dev, T = argmax.device, tree.tree_size
+    dev = argmax.device
     rows = torch.tensor([i for i, _ in seeded], device=dev)
     # Every node samples here (the walk follows the samples): all their distributions.
-    node_p = probs(rows.repeat_interleave(T), torch.arange(T, device=dev).repeat(len(rows)))
-    node_p = node_p.view(len(rows), T, -1)
+    node_p = node_table(probs, rows, tree.tree_size)
     count = int(tree.depth[rows].max()) + 1  # the depths these trees use, not the cap
     noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count,
                                          node_p.shape[-1], dev) for i, seed in seeded])
