@@ -267,7 +267,8 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
         opt.load_state_dict(ck["opt"])
         state = ck["state"]
         random.setstate(ck["py_rng"])
-        torch.set_rng_state(ck["torch_rng"])
+        # map_location moved the CPU generator's ByteTensor too (to CUDA on a GPU).
+        torch.set_rng_state(ck["torch_rng"].cpu())
         log(f"[train] resumed at step {state['step']} (epoch {state['epoch']}, group {state['group']}, "
             f"batch {state['batch']})")
 
