@@ -19,8 +19,9 @@ cached prefix of another's.
         --concurrency 16 --out DIR
 
 Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``).
-Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``), so
-that five of them fit in 24 GB. Writes DIR/served_ab.json and prints a markdown
+Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``) and
+holds ~4 GB as started (the worker ~2.8), so that four of them fit in 24 GB; a set
+that would not fit is refused once the first server is up. Writes DIR/served_ab.json and prints a markdown
 table: tok/s over all turns, its ratio to the first method, the per-turn ratio
 (mean and p10/p90), TPOT, the acceptance length from each server's /metrics, and
 how many turns returned the first method's text (greedy: all, for a lossless
@@ -35,6 +36,25 @@ import os
 import shlex
 import sys
 from pathlib import Path
+
+
+def check_memory(first, count: int) -> None:
+    """Refuse, before starting the others, a set of servers that would not fit in
+    memory: the kernel's OOM killer otherwise takes one of them mid-run (seven did
+    not fit in 24 GB). Each is assumed to need what the first holds once started,
+    and 25 % more while it serves (tree steps, allocator caches)."""
+    import psutil
+
+    from vllm_treespec.bench.soak import resident_bytes
+
+    per = resident_bytes(first.proc.pid)
+    available = psutil.virtual_memory().available
+    fit = int((available + per) // (1.25 * per))
+    if fit < count:
+        raise SystemExit(
+            f"--methods: {count} servers would not fit in memory: the first holds "
+            f"{per / 2**30:.1f} GiB as started (+25 % while serving) and "
+            f"{available / 2**30:.1f} GiB is left; pass at most {fit} methods at once")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{label}: starting server")
             servers[label] = Server(args.model, shlex.split(args.serve_args), spec,
                                     out / f"server-{slug(label)}.log", env=env)
+            if len(servers) == 1:
+                check_memory(servers[label], len(methods))
         drivers = {label: Driver(s, args.max_tokens, args.temperature, top_p=args.top_p)
                    for label, s in servers.items()}
         for d in drivers.values():
