@@ -21,11 +21,12 @@ cached prefix of another's.
 Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``).
 Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``) and
 holds ~4 GB as started (the worker ~2.8), so that four of them fit in 24 GB; a set
-that would not fit is refused once the first server is up. Writes DIR/served_ab.json and prints a markdown
-table: tok/s over all turns, its ratio to the first method, the per-turn ratio
-(mean and p10/p90), TPOT, the acceptance length from each server's /metrics, and
-how many turns returned the first method's text (greedy: all, for a lossless
-method on a batch-invariant machine).
+that would not fit is refused once the first server is up. Writes
+DIR/served_ab.json and prints a markdown table: tok/s over all turns, its ratio
+to the first method, the per-turn ratio (mean and p10/p90), TPOT, the
+acceptance length from each server's /metrics, and how many turns returned the
+first method's text (greedy: all, for a lossless method on a batch-invariant
+machine).
 """
 
 from __future__ import annotations
