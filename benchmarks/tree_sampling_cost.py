@@ -5,7 +5,10 @@ A tree step at T > 0 turns each node's logits into the request's distribution
 (temperature, top-k, top-p: a sort of the whole vocabulary per row) before the
 lossless multi-draft walk. The walk reads at most depth + 1 nodes of each tree,
 so ``tree_sampler.node_probs`` computes those on demand. This times both ways on
-the same inputs with the real functions and checks they accept the same tokens.
+the same inputs with the real functions and checks they accept the same tokens;
+likewise for seeded requests, which sample with per-position noise: every node's
+sample (``position_samples``) against the samples on the path they choose
+(``position_samples_on_path``).
 
     python benchmarks/tree_sampling_cost.py [--batch 1,16,32] [--top-p 0.9] [--out FILE]
 
@@ -26,7 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_treespec.tree import TreeBatch, stochastic_accept
+from vllm_treespec.tree import (TreeBatch, greedy_accept, position_samples,
+                                position_samples_on_path, stochastic_accept)
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_probs, node_table
 
 VOCAB = 49152  # SmolLM2
@@ -76,26 +80,42 @@ def main() -> None:
         def on_demand(u, n):
             return stochastic_accept(step.tree, probs, u, n)
 
-        times = {"whole_table": [], "on_demand": []}
+        def seeded_every_node(u, n):
+            return greedy_accept(step.tree, position_samples(
+                node_table(probs, torch.arange(B), T), step.tree.depth, n))
+
+        def seeded_on_path(u, n):
+            return greedy_accept(step.tree, position_samples_on_path(step.tree, probs, n))
+
+        ways = {"whole_table": whole_table, "on_demand": on_demand,
+                "seeded_every_node": seeded_every_node, "seeded_on_path": seeded_on_path}
+        times = {name: [] for name in ways}
         accepted = []
+        D = step.tree.max_depth
         for _ in range(args.reps):
-            u = torch.rand(B, step.tree.max_depth, step.tree.max_children, generator=gen)
+            u = torch.rand(B, D, step.tree.max_children, generator=gen)
             n = torch.empty(B, VOCAB).exponential_(generator=gen)
+            n_pos = torch.empty(B, D + 1, VOCAB).exponential_(generator=gen)
             results = {}
-            for name, fn in (("whole_table", whole_table), ("on_demand", on_demand)):
+            for name, fn in ways.items():
                 t0 = time.perf_counter()
-                results[name] = fn(u, n)
+                results[name] = fn(u, n_pos if name.startswith("seeded") else n)
                 times[name].append(time.perf_counter() - t0)
             assert torch.equal(results["whole_table"].tokens, results["on_demand"].tokens)
+            assert torch.equal(results["seeded_every_node"].tokens,
+                               results["seeded_on_path"].tokens)
             accepted.append(float(results["on_demand"].num_accepted.float().mean()))
         row = {"batch": B, "nodes": T,
                **{f"{k}_ms": 1e3 * statistics.median(v) for k, v in times.items()},
                "mean_accepted": statistics.mean(accepted)}
         row["speedup"] = row["whole_table_ms"] / row["on_demand_ms"]
+        row["seeded_speedup"] = row["seeded_every_node_ms"] / row["seeded_on_path_ms"]
         rows.append(row)
         print(f"B={B:3d} T={T}: whole table {row['whole_table_ms']:8.2f} ms, on demand "
               f"{row['on_demand_ms']:7.2f} ms ({row['speedup']:.1f}x), accepted "
-              f"{row['mean_accepted']:.2f} drafts/tree", flush=True)
+              f"{row['mean_accepted']:.2f} drafts/tree; seeded: every node "
+              f"{row['seeded_every_node_ms']:8.2f} ms, on the path "
+              f"{row['seeded_on_path_ms']:7.2f} ms ({row['seeded_speedup']:.1f}x)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "torch_threads": torch.get_num_threads(),

@@ -23,6 +23,7 @@ from vllm_treespec.tree import (
     compaction_plan,
     greedy_accept,
     position_samples,
+    position_samples_on_path,
     stochastic_accept,
 )
 
@@ -163,6 +164,29 @@ def test_on_demand_distributions_equal_the_full_table(tree, seed):
     for b in range(B):
         walked = {n for r, n in asked if r == b}
         assert walked == set(lazy.path[b].tolist())  # exactly the accepted path's nodes
+
+
+@given(tree_batches(max_nodes=10, vocab=4, max_children=3), st.integers(0, 2**31))
+def test_position_samples_on_the_path_accept_as_every_node_sampled(tree, seed):
+    """Seeded requests sample only the nodes their path reaches: the same
+    acceptance as sampling every node, with at most depth + 1 nodes asked for,
+    exactly the accepted path's (small vocabulary: paths often run deep)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, D = tree.batch_size, tree.tree_size, tree.max_depth
+    probs = torch.rand(B, T, 4, generator=gen) ** 2
+    noise = torch.empty(B, D + 1, 4).exponential_(generator=gen)
+    asked = []
+
+    def probs_at(rows, nodes):
+        asked.extend(zip(rows.tolist(), nodes.tolist()))
+        return probs[rows, nodes]
+
+    every = greedy_accept(tree, position_samples(probs, tree.depth, noise))
+    on_path = greedy_accept(tree, position_samples_on_path(tree, probs_at, noise))
+    assert torch.equal(every.path, on_path.path) and torch.equal(every.tokens, on_path.tokens)
+    assert len(asked) == len(set(asked))
+    for b in range(B):
+        assert {n for r, n in asked if r == b} == set(on_path.path[b].tolist())
 
 
 def test_zero_probability_draft_is_never_accepted_even_at_u_zero():

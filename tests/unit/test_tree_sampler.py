@@ -93,3 +93,57 @@ def test_sampled_batch_of_trees_skips_vllms_sampler():
     assert out.sampled_token_ids[1].tolist() == [5, 12, -1]  # the greedy request, as greedy
     emitted = out.sampled_token_ids[0, : int(acc.num_accepted[0]) + 1]
     assert bool((emitted >= 0).all())  # accepted drafts and a bonus token, no padding
+
+
+def _counting_node_probs(monkeypatch):
+    """Record the (tree row, node) pairs the sampler asks distributions for."""
+    from vllm_treespec.vllm_glue import tree_sampler
+
+    asked = []
+
+    def counting(processed, step, md, rows, nodes):
+        asked.extend(zip(rows.tolist(), nodes.tolist()))
+        return node_probs(processed, step, md, rows, nodes)
+
+    monkeypatch.setattr(tree_sampler, "node_probs", counting)
+    return asked
+
+
+def _sampled_md(temperature):
+    return SimpleNamespace(all_greedy=False, max_num_logprobs=None, no_penalties=True,
+                           allowed_token_ids_mask=None, temperature=torch.tensor(temperature),
+                           top_k=None, top_p=torch.tensor([0.9, 0.9]))
+
+
+def test_a_mixed_batch_walks_only_its_sampled_trees(monkeypatch):
+    """Greedy trees in a sampled step take the argmax result; none of their
+    nodes is asked for a distribution (a top-p sort each, thrown away before)."""
+    asked = _counting_node_probs(monkeypatch)
+    step, spec_md, logits = _step_and_logits(torch.float32)
+    out, acc = sample_with_trees(None, logits, spec_md, _sampled_md([0.0, 0.7]), step, {})
+    assert out.sampled_token_ids[0].tolist() == [1, 4, 11]  # the greedy request, as greedy
+    assert asked and {row for row, _ in asked} == {1}
+    assert {node for _, node in asked} == set(acc.path[1].tolist())
+
+
+def test_a_seeded_tree_asks_only_for_its_path_and_accepts_as_every_node_sampled(monkeypatch):
+    from vllm_treespec.tree import greedy_accept, position_samples
+    from vllm_treespec.vllm_glue.tree_sampler import _position_noise, node_table
+
+    asked = _counting_node_probs(monkeypatch)
+    step, spec_md, logits = _step_and_logits(torch.float32)
+    md = _sampled_md([0.7, 1.0])
+    logits[:5] /= 4  # flat enough that the noise decides
+    out, acc = sample_with_trees(None, logits, spec_md, md, step, {0: 1234})
+    asked_0 = [node for row, node in asked if row == 0]
+    assert sorted(asked_0) == sorted(set(acc.path[0].tolist()))
+    # Every node of tree 0 sampled with the same positional noise: same tokens.
+    from vllm_treespec.vllm_glue.tree_sampler import processed_node_logits
+
+    processed = processed_node_logits(logits, step, md)
+    table = node_table(lambda r, n: node_probs(processed, step, md, r, n),
+                       torch.tensor([0]), step.tree.tree_size)
+    noise = _position_noise(1234, 11, int(step.tree.depth[0].max()) + 1, V, torch.device("cpu"))
+    every = greedy_accept(step.tree.take(torch.tensor([0])),
+                          position_samples(table, step.tree.depth[:1], noise.unsqueeze(0)))
+    assert acc.tokens[0].tolist() == every.tokens[0].tolist()

@@ -9,6 +9,7 @@ from vllm_treespec.tree.accept import (
     compaction_plan,
     greedy_accept,
     position_samples,
+    position_samples_on_path,
     stochastic_accept,
 )
 from vllm_treespec.tree.build import DynamicTreeBuilder, Level
@@ -20,6 +21,5 @@ __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level", "Outcome",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
     "apply_compaction", "compaction_plan", "greedy_accept", "position_samples",
-    "stochastic_accept",
-    "tree_mask",
+    "position_samples_on_path", "stochastic_accept", "tree_mask",
 ]

@@ -71,6 +71,13 @@ class Acceptance:
                                                    other.num_accepted),
                           tokens=torch.where(m, self.tokens, other.tokens))
 
+    def put(self, rows: torch.Tensor, other: "Acceptance") -> "Acceptance":
+        """This result with batch rows ``rows`` replaced by ``other`` (one row of
+        ``other`` per entry of ``rows``, as from a ``TreeBatch.take``)."""
+        return Acceptance(path=self.path.index_put((rows,), other.path),
+                          num_accepted=self.num_accepted.index_put((rows,), other.num_accepted),
+                          tokens=self.tokens.index_put((rows,), other.tokens))
+
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
@@ -165,6 +172,36 @@ def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
 
 # [B, T, V] distributions of every node, or rows, nodes -> [n, V] at those nodes.
 NodeProbs = torch.Tensor | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
+                             noise: torch.Tensor) -> torch.Tensor:
+    """``position_samples`` where ``greedy_accept`` reads them: along each tree's
+    accepted path, which the samples themselves choose, so at most D + 1 nodes
+    per tree ask ``target_probs`` (rows, nodes) -> [n, V] for a distribution
+    instead of all T. Nodes off the path get -1, a token no child carries, so
+    ``greedy_accept(tree, samples)`` is the same as with every node sampled.
+    noise: [B, >= deepest depth + 1, V] Exp(1) draws, as for ``position_samples``."""
+    B, T = tree.token.shape
+    dev = tree.device
+    samples = torch.full((B, T), -1, dtype=torch.long, device=dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)
+    rows = torch.arange(B, device=dev)
+    slots = torch.arange(tree.max_children, device=dev).unsqueeze(0)
+    for d in range(min(tree.max_depth, noise.shape[1] - 1) + 1):
+        node = cur[rows]
+        drawn = torch.argmax(target_probs(rows, node).float() / noise[rows, d], dim=-1)
+        samples[rows, node] = drawn
+        kids = tree.children[rows, node]                                          # [n, C]
+        match = (slots < tree.num_children[rows, node].unsqueeze(1)) & \
+            (torch.gather(tree.token[rows], 1, kids) == drawn.unsqueeze(1))
+        found = match.any(dim=1)
+        moved = torch.gather(kids, 1, match.long().argmax(1, keepdim=True)).squeeze(1)
+        cur[rows] = torch.where(found, moved, node)
+        rows = rows[found]  # the walks that moved on
+        if not rows.numel():
+            break
+    return samples
 
 
 def stochastic_accept(tree: TreeBatch, target_probs: NodeProbs,

@@ -72,6 +72,13 @@ class TreeBatch:
     def device(self) -> torch.device:
         return self.token.device
 
+    def take(self, rows: torch.Tensor) -> "TreeBatch":
+        """The trees of batch rows ``rows``, same padding and static bounds (a
+        sampled step walks only its sampled trees)."""
+        return TreeBatch(self.token[rows], self.parent[rows], self.depth[rows],
+                         self.num_nodes[rows], self.max_depth, self.max_children,
+                         None if self.score is None else self.score[rows])
+
     @functools.cached_property
     def node_index(self) -> torch.Tensor:
         """[1, T] node indices (0..T-1)."""

@@ -14,8 +14,10 @@ bonus token. So in tree mode:
   processing vLLM applies (allowed-token mask, repetition / frequency / presence
   penalties over ``output + path``, temperature, top-k, top-p), then the tree
   acceptance rule: greedy longest path at temperature 0, lossless multi-draft
-  rejection sampling otherwise (per request, in one batch), which asks for the
-  distributions of the nodes its walk reaches only (``node_probs``);
+  rejection sampling otherwise (per request, in one batch over the sampled
+  trees only), which asks for the distributions of the nodes its walk reaches
+  only (``node_probs``); seeded requests sample with their positions' noise,
+  again only at the nodes on the path their samples choose;
 * logprobs of emitted tokens come from the node rows that produced them.
 
 Requests whose sampling parameters need processing not listed above (min-p,
@@ -39,7 +41,7 @@ from vllm_treespec.tree import (
     Acceptance,
     TreeBatch,
     greedy_accept,
-    position_samples,
+    position_samples_on_path,
     stochastic_accept,
 )
 
@@ -162,11 +164,8 @@ def node_table(probs, rows: torch.Tensor, tree_size: int) -> torch.Tensor:
     return probs(rows.repeat_interleave(tree_size), nodes).view(len(rows), tree_size, -1)
 
 
-def _random_draws(step: VerifyStep, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms [Bt, D, C] and Exp(1) noise [Bt, V] for ``stochastic_accept``.
-    Seeded requests' rows are not used: they accept with per-position noise
-    (``_seeded_acceptance``)."""
-    tree = step.tree
+def _random_draws(tree: TreeBatch, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms [Bt, D, C] and Exp(1) noise [Bt, V] for ``stochastic_accept``."""
     Bt, D, C = tree.batch_size, tree.max_depth, tree.max_children
     dev = tree.device
     return torch.rand(Bt, D, C, device=dev), torch.empty(Bt, vocab, device=dev).exponential_()
@@ -206,31 +205,22 @@ def _position_noise(seed: int, first: int, count: int, vocab: int,
     return out
 
 
-def _seeded_acceptance(step: VerifyStep, seeds: dict[int, int], argmax: torch.Tensor,
-                       probs, greedy: torch.Tensor, acc: Acceptance) -> Acceptance:
+def _seeded_acceptance(step: VerifyStep, seeded: list[tuple[int, int]], probs, vocab: int,
+                       acc: Acceptance) -> Acceptance:
     """Sampled seeded requests accept with per-position noise (``position_samples``),
     the noise vLLM's sampler uses for the same position on a plain step: their
     output depends on the seed alone, not on the trees or off steps the adaptive
-    budget chose (timing-dependent). seeds: batch row -> the request's seed;
-    argmax: [Bt, T] the nodes' greedy picks (kept for the rows not seeded);
-    probs: (rows, nodes) -> distributions, as ``node_probs``."""
-    seeded = [(i, seeds[b]) for i, b in enumerate(step.req_index.tolist())
-              if b in seeds and not bool(greedy[i])]
-    if not seeded:
-        return acc
-    tree = step.tree
-    dev = argmax.device
+    budget chose (timing-dependent). seeded: (tree row, the request's seed);
+    probs: (rows, nodes) -> distributions, as ``node_probs``; only the nodes on
+    the path the samples choose are asked for."""
+    dev = acc.path.device
     rows = torch.tensor([i for i, _ in seeded], device=dev)
-    # Every node samples here (the walk follows the samples): all their distributions.
-    node_p = node_table(probs, rows, tree.tree_size)
-    count = int(tree.depth[rows].max()) + 1  # the depths these trees use, not the cap
-    noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count,
-                                         node_p.shape[-1], dev) for i, seed in seeded])
-    samples = argmax.clone()
-    samples[rows] = position_samples(node_p, tree.depth[rows], noise)
-    take = torch.zeros(tree.batch_size, dtype=torch.bool, device=dev)
-    take[rows] = True
-    return greedy_accept(tree, samples).where(take, acc)
+    trees = step.tree.take(rows)
+    count = int(trees.depth.max()) + 1  # the depths these trees use, not the cap
+    noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count, vocab, dev)
+                         for i, seed in seeded])
+    samples = position_samples_on_path(trees, lambda r, nodes: probs(rows[r], nodes), noise)
+    return acc.put(rows, greedy_accept(trees, samples))
 
 
 def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifyStep,
@@ -258,13 +248,24 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     processed = processed_node_logits(logits, step, md)
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
         else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
-    argmax = row_argmax(processed)
-    acc = greedy_accept(step.tree, argmax)
+    acc = greedy_accept(step.tree, row_argmax(processed))
     if not bool(greedy.all()):
+        # Sampled trees only: a greedy tree's walk would sort its rows for top-p
+        # and be thrown away. Seeded ones accept by their positions' noise.
         probs = functools.partial(node_probs, processed, step, md)
-        uniforms, noise = _random_draws(step, processed.shape[-1])
-        acc = acc.where(greedy, stochastic_accept(step.tree, probs, uniforms, noise))
-        acc = _seeded_acceptance(step, seeds, argmax, probs, greedy, acc)
+        vocab = processed.shape[-1]
+        sampled = [(i, seeds.get(b)) for i, (b, g) in
+                   enumerate(zip(step.req_index.tolist(), greedy.tolist())) if not g]
+        unseeded = [i for i, seed in sampled if seed is None]
+        if unseeded:
+            rows = torch.tensor(unseeded, device=dev)
+            trees = step.tree.take(rows)
+            walked = stochastic_accept(trees, lambda r, nodes: probs(rows[r], nodes),
+                                       *_random_draws(trees, vocab))
+            acc = acc.put(rows, walked)
+        seeded = [(i, seed) for i, seed in sampled if seed is not None]
+        if seeded:
+            acc = _seeded_acceptance(step, seeded, probs, vocab, acc)
     logprobs = None
     if base is not None and md.max_num_logprobs is not None \
             and base.logprobs_tensors is not None:
