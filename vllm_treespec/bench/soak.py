@@ -9,7 +9,9 @@ on 127.0.0.1 with a KV cache of ``--kv-tokens`` tokens so that requests get
 preempted, ``validate_invariants`` on. Each server then gets, in order:
 
 1. the *quiet* greedy subset, one request at a time;
-2. a warm-up burst, after which the server's resident memory (all its processes)
+2. a warm-up burst (by default twice ``--concurrency`` requests of the mix's
+   kind, so every slot fills, requests get preempted and the longest prompts
+   come through), after which the server's resident memory (all its processes)
    is the baseline;
 3. the load: ``--requests`` requests of the mix in ``soak_mix`` at up to
    ``--concurrency`` in flight (the plain server runs it twice, to measure how
@@ -81,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV cache size (tokens)")
     p.add_argument("--quiet", type=int, default=8, help="greedy requests sent alone")
     p.add_argument("--quiet-tokens", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=32, help="requests of the warm-up burst")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="requests of the warm-up burst (default: twice --concurrency; a "
+                        "burst that never fills the batch leaves the working set to the load)")
     p.add_argument("--max-tokens-cap", type=int, default=512,
                    help="upper bound of the mix's max_tokens (a shorter soak)")
     p.add_argument("--allow-no-preemption", action="store_true",
@@ -308,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     pool = AutoTokenizer.from_pretrained(assets.target)("\n\n".join(texts))["input_ids"]
     mix = build_mix(args.requests, args.seed, "soak", texts, pool, args.max_model_len,
                     max_tokens_cap=args.max_tokens_cap)
+    if args.warmup is None:
+        args.warmup = 2 * args.concurrency
     warm = [r for r in build_mix(args.warmup, args.seed + 1, "soak", texts, pool,
                                  args.max_model_len, max_tokens_cap=args.max_tokens_cap)
             if r.expect == "ok"]
