@@ -178,19 +178,21 @@ def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
                              noise: torch.Tensor) -> torch.Tensor:
     """``position_samples`` where ``greedy_accept`` reads them: along each tree's
     accepted path, which the samples themselves choose, so at most D + 1 nodes
-    per tree ask ``target_probs`` (rows, nodes) -> [n, V] for a distribution
-    instead of all T. Nodes off the path get -1, a token no child carries, so
+    per tree ask ``target_probs`` for a distribution (a [B, T, V] table, or
+    (rows, nodes) -> [n, V] as for ``stochastic_accept``) instead of all T. Nodes off the path get -1, a token no child carries, so
     ``greedy_accept(tree, samples)`` is the same as with every node sampled.
     noise: [B, >= deepest depth + 1, V] Exp(1) draws, as for ``position_samples``."""
     B, T = tree.token.shape
     dev = tree.device
+    probs_at = target_probs if callable(target_probs) else \
+        (lambda r, nodes: target_probs[r, nodes])
     samples = torch.full((B, T), -1, dtype=torch.long, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     rows = torch.arange(B, device=dev)
     slots = torch.arange(tree.max_children, device=dev).unsqueeze(0)
     for d in range(min(tree.max_depth, noise.shape[1] - 1) + 1):
         node = cur[rows]
-        drawn = torch.argmax(target_probs(rows, node).float() / noise[rows, d], dim=-1)
+        drawn = torch.argmax(probs_at(rows, node).float() / noise[rows, d], dim=-1)
         samples[rows, node] = drawn
         kids = tree.children[rows, node]                                          # [n, C]
         match = (slots < tree.num_children[rows, node].unsqueeze(1)) & \

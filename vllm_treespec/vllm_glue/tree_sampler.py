@@ -257,7 +257,9 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
         sampled = [(i, seeds.get(b)) for i, (b, g) in
                    enumerate(zip(step.req_index.tolist(), greedy.tolist())) if not g]
         unseeded = [i for i, seed in sampled if seed is None]
-        if unseeded:
+        if len(unseeded) == step.tree.batch_size:  # every tree (batch 1's case)
+            acc = stochastic_accept(step.tree, probs, *_random_draws(step.tree, vocab))
+        elif unseeded:
             rows = torch.tensor(unseeded, device=dev)
             trees = step.tree.take(rows)
             walked = stochastic_accept(trees, lambda r, nodes: probs(rows[r], nodes),
