@@ -128,7 +128,8 @@ def test_a_mixed_batch_walks_only_its_sampled_trees(monkeypatch):
 
 def test_a_seeded_tree_asks_only_for_its_path_and_accepts_as_every_node_sampled(monkeypatch):
     from vllm_treespec.tree import greedy_accept, position_samples
-    from vllm_treespec.vllm_glue.tree_sampler import _position_noise, node_table
+    from vllm_treespec.vllm_glue.tree_sampler import (_position_noise, node_table,
+                                                      processed_node_logits)
 
     asked = _counting_node_probs(monkeypatch)
     step, spec_md, logits = _step_and_logits(torch.float32)
@@ -139,8 +140,6 @@ def test_a_seeded_tree_asks_only_for_its_path_and_accepts_as_every_node_sampled(
     assert int(acc.num_accepted[0]) >= 1  # a path below the root, so the check below bites
     assert sorted(asked_0) == sorted(set(acc.path[0].tolist()))
     # Every node of tree 0 sampled with the same positional noise: same tokens.
-    from vllm_treespec.vllm_glue.tree_sampler import processed_node_logits
-
     processed = processed_node_logits(logits, step, md)
     table = node_table(lambda r, n: node_probs(processed, step, md, r, n),
                        torch.tensor([0]), step.tree.tree_size)

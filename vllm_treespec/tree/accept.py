@@ -174,18 +174,25 @@ def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
 NodeProbs = torch.Tensor | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def _at_nodes(target_probs: NodeProbs) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``NodeProbs`` as the (rows, nodes) -> [n, V] function the walks call."""
+    if callable(target_probs):
+        return target_probs
+    return lambda rows, nodes: target_probs[rows, nodes]
+
+
 def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
                              noise: torch.Tensor) -> torch.Tensor:
     """``position_samples`` where ``greedy_accept`` reads them: along each tree's
     accepted path, which the samples themselves choose, so at most D + 1 nodes
     per tree ask ``target_probs`` for a distribution (a [B, T, V] table, or
-    (rows, nodes) -> [n, V] as for ``stochastic_accept``) instead of all T. Nodes off the path get -1, a token no child carries, so
+    (rows, nodes) -> [n, V] as for ``stochastic_accept``) instead of all T.
+    Nodes off the path get -1, a token no child carries, so
     ``greedy_accept(tree, samples)`` is the same as with every node sampled.
     noise: [B, >= deepest depth + 1, V] Exp(1) draws, as for ``position_samples``."""
     B, T = tree.token.shape
     dev = tree.device
-    probs_at = target_probs if callable(target_probs) else \
-        (lambda r, nodes: target_probs[r, nodes])
+    probs_at = _at_nodes(target_probs)
     samples = torch.full((B, T), -1, dtype=torch.long, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     rows = torch.arange(B, device=dev)
@@ -225,8 +232,7 @@ def stochastic_accept(tree: TreeBatch, target_probs: NodeProbs,
     B, D, C = tree.batch_size, tree.max_depth, tree.max_children
     dev = tree.device
     rows = torch.arange(B, device=dev)
-    probs_at = target_probs if callable(target_probs) else \
-        (lambda r, nodes: target_probs[r, nodes])
+    probs_at = _at_nodes(target_probs)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     p_cur = probs_at(rows, cur).float()  # [B, V] at each walk's current node
     if uniforms is None:
