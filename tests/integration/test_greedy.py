@@ -89,6 +89,9 @@ def test_chunked_prefill_truncated_trees_and_early_finishes(target_dir, random_d
     stop at different lengths, so batches mix prefill chunks, plain decodes,
     truncated and full trees."""
     prompts, expected, ref_map = reference
+    # 12 prompts: every length of the pattern below, and more requests than the
+    # batch's 8 slots, so later ones join a running batch mid-way.
+    prompts, expected = prompts[:12], expected[:12]
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=3,
                      max_num_batched_tokens=48, enable_chunked_prefill=True)
     lengths = [MAX_TOKENS - 7 * (i % 9) for i in range(len(prompts))]
@@ -100,8 +103,10 @@ def test_chunked_prefill_truncated_trees_and_early_finishes(target_dir, random_d
 
 
 def test_preemption_and_recompute(target_dir, random_drafter, reference, engine_dir):
-    """A KV cache too small for all requests forces preemption and recompute."""
+    """A KV cache too small for all requests forces preemption and recompute
+    (48 blocks of 16 tokens against 8 running requests of up to ~170 tokens)."""
     prompts, expected, ref_map = reference
+    prompts, expected = prompts[:12], expected[:12]
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=4,
                      num_gpu_blocks_override=48, block_size=16, max_model_len=512)
     out = run_engine(spec, engine_dir, "greedy_tree_preempt")

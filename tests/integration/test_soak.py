@@ -17,6 +17,7 @@ def test_short_soak_keeps_every_promise(tmp_path):
     from vllm_treespec.bench.soak import FAULT_SERVER, main
 
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "fixed", "--quiet", "4",
+               "--quiet-tokens", "32",
                "--warmup", "8", "--kv-tokens", "1536", "--max-tokens-cap", "48",
                "--invalid-trees", "3", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
