@@ -1,0 +1,126 @@
+"""Where a decode step's time goes, per method: cProfile over one in-process engine.
+
+    python benchmarks/step_profile.py --methods "eagle3:k=3,eagle3_tree" --out DIR
+
+Each method runs alone in a fresh process (engine core and worker in the same
+process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
+one warm-up prompt, then ``--prompts`` chat-formatted pangu240 first turns,
+greedy, ``--max-tokens`` each, one at a time. Written per method: ``NAME.pstats``
+(open with ``python -m pstats``) and, in ``step_profile.json``, the wall time
+and milliseconds per engine step of the runner's forward, sampling, drafting,
+the tree's chain-split verify and the native attention kernel. cProfile adds
+its own cost to every Python call, so compare methods within one run; absolute
+tok/s are lower than unprofiled ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# (file suffix, function) -> row name; cumulative time per engine step.
+PARTS = {
+    ("gpu_model_runner.py", "execute_model"): "execute_model",
+    ("gpu_model_runner.py", "_model_forward"): "target_forward",
+    ("gpu_model_runner.py", "sample_tokens"): "sample_tokens",
+    ("gpu_model_runner.py", "propose_draft_token_ids"): "propose",
+    ("llama_eagle3.py", "forward"): "drafter_forward",
+    ("proposer.py", "_draft_vocab_logprobs"): "draft_logprobs",
+    ("cpu_attention.py", "_verify_chains"): "tree_verify_chains",
+    ("~", "<built-in method torch._ops._C.cpu_attention_with_kv_cache>"): "attention_kernel",
+}
+
+
+def summarize(stats_path: Path) -> dict:
+    import pstats
+
+    stats = pstats.Stats(str(stats_path)).stats
+    steps = max(nc for (f, _, fn), (_, nc, *_rest) in stats.items()
+                if fn == "step" and f.endswith("llm_engine.py"))
+    row = {"engine_steps": steps}
+    for (suffix, name), key in PARTS.items():
+        cum = [ct for (f, _, fn), (_, _, _, ct, _) in stats.items()
+               if fn == name and f.endswith(suffix)]
+        row[f"{key}_ms_per_step"] = round(1e3 * max(cum) / steps, 2) if cum else None
+    return row
+
+
+def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path) -> dict:
+    import cProfile
+    import time
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    from vllm_treespec.commands.cpu_openmp import preload_intel_openmp
+
+    preload_intel_openmp()  # as `vllm-treespec serve` does
+    from vllm import LLM, SamplingParams
+
+    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.bench import pangu240, parse_method
+
+    assets = ensure_assets()
+    defaults = argparse.Namespace(drafter=str(assets.drafter), eagle3_k=3, tree=None)
+    llm = LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
+              enable_prefix_caching=False, max_num_seqs=1,
+              speculative_config=parse_method(method, defaults)[1])
+    tokenizer = llm.get_tokenizer()
+    texts = [tokenizer.apply_chat_template(t.messages, add_generation_prompt=True,
+                                           tokenize=False)
+             for t in pangu240.first_turns(prompts + 1)]
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm.generate(texts[:1], greedy, use_tqdm=False)  # warm-up
+    profiler = cProfile.Profile()
+    tokens, t0 = 0, time.perf_counter()
+    profiler.enable()
+    for text in texts[1:]:
+        tokens += len(llm.generate([text], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    profiler.disable()
+    seconds = time.perf_counter() - t0
+    profiler.dump_stats(str(stats_path))
+    return {"tokens": tokens, "seconds": round(seconds, 2), "tok_s": round(tokens / seconds, 2),
+            **summarize(stats_path)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", default="eagle3:k=3,eagle3_tree",
+                   help="as in `vllm-treespec bench`")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--out", required=True)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one method
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.one is not None:
+        row = profile_one(args.one, args.prompts, args.max_tokens,
+                          out / (args.one.replace(":", "_").replace(",", "_") + ".pstats"))
+        print("STEP_PROFILE " + json.dumps(row), flush=True)
+        return 0
+    from vllm_treespec.bench import split_methods
+
+    result = {"prompts": args.prompts, "max_tokens": args.max_tokens, "methods": {}}
+    for method in split_methods(args.methods):
+        proc = subprocess.run([sys.executable, __file__, "--one", method, "--out", str(out),
+                               "--prompts", str(args.prompts),
+                               "--max-tokens", str(args.max_tokens)],
+                              capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)
+        if proc.returncode != 0 or line is None:
+            sys.stderr.write(proc.stderr[-4000:])
+            raise SystemExit(f"step_profile: {method} failed (rc={proc.returncode})")
+        result["methods"][method] = json.loads(line.split(" ", 1)[1])
+        print(method, result["methods"][method], file=sys.stderr, flush=True)
+    (out / "step_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
