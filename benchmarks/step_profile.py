@@ -6,11 +6,13 @@ Each method runs alone in a fresh process (engine core and worker in the same
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
 one warm-up prompt, then ``--prompts`` chat-formatted pangu240 first turns,
 greedy, ``--max-tokens`` each, one at a time. Written per method: ``NAME.pstats``
-(open with ``python -m pstats``) and, in ``step_profile.json``, the wall time
+(the method's label as `vllm-treespec bench` names files; open with ``python -m
+pstats``) and, in ``step_profile.json``, the wall time
 and milliseconds per engine step of the runner's forward, sampling, drafting,
 the tree's chain-split verify and the native attention kernel. cProfile adds
 its own cost to every Python call, so compare methods within one run; absolute
-tok/s are lower than unprofiled ones.
+tok/s are lower than unprofiled ones. OpenMP threads are bound to cores 0-1 unless
+``VLLM_CPU_OMP_THREADS_BIND`` says otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-# (file suffix, function) -> row name; cumulative time per engine step.
+# (file, function) -> row name; cumulative time per engine step. Where several
+# functions match (nested closures, a model's inner forwards) the outermost, the
+# one with the largest cumulative time, is the one meant.
 PARTS = {
     ("gpu_model_runner.py", "execute_model"): "execute_model",
     ("gpu_model_runner.py", "_model_forward"): "target_forward",
@@ -39,12 +43,14 @@ def summarize(stats_path: Path) -> dict:
     import pstats
 
     stats = pstats.Stats(str(stats_path)).stats
-    steps = max(nc for (f, _, fn), (_, nc, *_rest) in stats.items()
-                if fn == "step" and f.endswith("llm_engine.py"))
+    steps = max((nc for (f, _, fn), (_, nc, *_rest) in stats.items()
+                 if fn == "step" and f.endswith("/llm_engine.py")), default=0)
+    if not steps:
+        raise SystemExit(f"step_profile: no LLMEngine.step in {stats_path}")
     row = {"engine_steps": steps}
     for (suffix, name), key in PARTS.items():
         cum = [ct for (f, _, fn), (_, _, _, ct, _) in stats.items()
-               if fn == name and f.endswith(suffix)]
+               if fn == name and (f == suffix or f.endswith("/" + suffix))]
         row[f"{key}_ms_per_step"] = round(1e3 * max(cum) / steps, 2) if cum else None
     return row
 
@@ -96,15 +102,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one method
     args = p.parse_args(argv)
+    if args.prompts < 1 or args.max_tokens < 1:
+        p.error("--prompts and --max-tokens must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from vllm_treespec.bench import slug, split_methods
+
     if args.one is not None:
         row = profile_one(args.one, args.prompts, args.max_tokens,
-                          out / (args.one.replace(":", "_").replace(",", "_") + ".pstats"))
+                          out / f"{slug(args.one)}.pstats")
         print("STEP_PROFILE " + json.dumps(row), flush=True)
         return 0
-    from vllm_treespec.bench import split_methods
-
     result = {"prompts": args.prompts, "max_tokens": args.max_tokens, "methods": {}}
     for method in split_methods(args.methods):
         proc = subprocess.run([sys.executable, __file__, "--one", method, "--out", str(out),
@@ -113,7 +121,7 @@ def main(argv=None) -> int:
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)
         if proc.returncode != 0 or line is None:
-            sys.stderr.write(proc.stderr[-4000:])
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
             raise SystemExit(f"step_profile: {method} failed (rc={proc.returncode})")
         result["methods"][method] = json.loads(line.split(" ", 1)[1])
         print(method, result["methods"][method], file=sys.stderr, flush=True)
