@@ -5,13 +5,13 @@
 Each method runs alone in a fresh process (engine core and worker in the same
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
 one warm-up prompt, then ``--prompts`` chat-formatted pangu240 first turns,
-greedy, ``--max-tokens`` each, one at a time. Written per method: ``NAME.pstats``
-(the method's label as `vllm-treespec bench` names files; open with ``python -m
-pstats``) and, in ``step_profile.json``, the wall time
-and milliseconds per engine step of the runner's forward, sampling, drafting,
-the tree's chain-split verify and the native attention kernel. cProfile adds
-its own cost to every Python call, so compare methods within one run; absolute
-tok/s are lower than unprofiled ones. OpenMP threads are bound to cores 0-1 unless
+greedy, ``--max-tokens`` each, one at a time. Written per method:
+``LABEL.pstats`` (the method's label as ``vllm-treespec bench`` names its files;
+open with ``python -m pstats``) and, in ``step_profile.json``, the wall time and
+milliseconds per engine step of the runner's forward, sampling, drafting, the
+tree's chain-split verify and the native attention kernel. cProfile adds its own
+cost to every Python call, so compare methods within one run; absolute tok/s are
+lower than unprofiled ones. OpenMP threads are bound to cores 0-1 unless
 ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise.
 """
 

@@ -1,8 +1,9 @@
 """Greedy eagle3_tree output is token-identical to decoding without speculation.
 
-Real SmolLM2-135M on the CPU, 24 chat prompts x 128 tokens, with the oracle
-drafter (see ``oracle.py``) so that trees are accepted deeply, at random
-branches, and the KV commit runs on nearly every step.
+Real SmolLM2-135M on the CPU, 24 chat prompts x 128 tokens (the chunked-prefill
+and preemption tests: the first 12), with the oracle drafter (see ``oracle.py``)
+so that trees are accepted deeply, at random branches, and the KV commit runs on
+nearly every step.
 """
 
 from __future__ import annotations
