@@ -77,6 +77,27 @@ def _split(steps) -> dict:
             "verify_forward_ms": mean_ms(verify, 2), "verify_sample_ms": mean_ms(verify, 3)}
 
 
+def batch1_engine(method: str):
+    """One batch-1 engine for ``method`` (as in `vllm-treespec bench`): the shipped
+    target in fp32, its drafter, no prefix caching (every prompt is prefilled)."""
+    from vllm import LLM
+
+    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.bench import parse_method
+
+    assets = ensure_assets()
+    defaults = argparse.Namespace(drafter=str(assets.drafter), eagle3_k=3, tree=None)
+    return LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
+               enable_prefix_caching=False, speculative_config=parse_method(method, defaults)[1],
+               max_num_seqs=1)
+
+
+def chat_prompts(tokenizer, turns) -> list[str]:
+    """pangu240 turns in the model's chat template, as a served chat request is."""
+    return [tokenizer.apply_chat_template(t.messages, add_generation_prompt=True,
+                                          tokenize=False) for t in turns]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="none,eagle3_tree",
@@ -95,23 +116,15 @@ def main(argv=None) -> int:
     from vllm_treespec.commands.cpu_openmp import preload_intel_openmp
 
     preload_intel_openmp()  # every engine alike, as `vllm-treespec serve` does
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
-    from vllm_treespec.assets import ensure_assets
-    from vllm_treespec.bench import pangu240, parse_method, split_methods
+    from vllm_treespec.bench import pangu240, split_methods
 
-    assets = ensure_assets()
-    defaults = argparse.Namespace(drafter=str(assets.drafter), eagle3_k=3, tree=None)
     methods = split_methods(args.methods)
-    specs = {m: parse_method(m, defaults)[1] for m in methods}
-    engines = {m: LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
-                      enable_prefix_caching=False, speculative_config=specs[m],
-                      max_num_seqs=1) for m in methods}
+    engines = {m: batch1_engine(m) for m in methods}
     turns = pangu240.first_turns(args.prompts)
     if args.chat:
-        tokenizer = next(iter(engines.values())).get_tokenizer()
-        prompts = [tokenizer.apply_chat_template(t.messages, add_generation_prompt=True,
-                                                 tokenize=False) for t in turns]
+        prompts = chat_prompts(next(iter(engines.values())).get_tokenizer(), turns)
     else:
         prompts = [t.messages[-1]["content"] for t in turns]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)

@@ -65,20 +65,13 @@ def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path) ->
     from vllm_treespec.commands.cpu_openmp import preload_intel_openmp
 
     preload_intel_openmp()  # as `vllm-treespec serve` does
-    from vllm import LLM, SamplingParams
+    from interleaved_ab import batch1_engine, chat_prompts  # the same engine as the A/B
+    from vllm import SamplingParams
 
-    from vllm_treespec.assets import ensure_assets
-    from vllm_treespec.bench import pangu240, parse_method
+    from vllm_treespec.bench import pangu240
 
-    assets = ensure_assets()
-    defaults = argparse.Namespace(drafter=str(assets.drafter), eagle3_k=3, tree=None)
-    llm = LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
-              enable_prefix_caching=False, max_num_seqs=1,
-              speculative_config=parse_method(method, defaults)[1])
-    tokenizer = llm.get_tokenizer()
-    texts = [tokenizer.apply_chat_template(t.messages, add_generation_prompt=True,
-                                           tokenize=False)
-             for t in pangu240.first_turns(prompts + 1)]
+    llm = batch1_engine(method)
+    texts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(prompts + 1))
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(texts[:1], greedy, use_tqdm=False)  # warm-up
     profiler = cProfile.Profile()
