@@ -10,10 +10,13 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "stream_seeded_plain_steps": bool (negative control of seeded reproduction),
        "break_stochastic" / "drop_sibling_renormalisation": bool (biased acceptance
        rules, negative controls of the T>0 test),
-       "record_proposals": bool (stock or tree drafter)}
+       "record_proposals": bool (stock or tree drafter),
+       "chunk_faults": {"control_pad_locals": int} | null (page faults inside the
+       runner's fresh-chunk entries, see oracle.count_chunk_faults)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "proposals": {"prompt hash@root position": [draft tokens]} | null,
+       "chunk_faults": {"shipped"|"control": [faults per execute_model]} | null,
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
        "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
 
@@ -57,6 +60,9 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(oracle.record_proposals)
     if spec.get("draft_faults") and tree_mode:
         llm.collective_rpc(oracle.inject_draft_faults, args=(spec["draft_faults"],))
+    if spec.get("chunk_faults") is not None and tree_mode:
+        llm.collective_rpc(oracle.count_chunk_faults,
+                           args=(spec["chunk_faults"]["control_pad_locals"],))
     if spec.get("vllm_zero_drafts") and tree_mode:
         llm.collective_rpc(oracle.restore_vllm_zero_drafts)
     sampling = SamplingParams(**spec["sampling"])
@@ -85,6 +91,8 @@ def main(spec_path: str, out_path: str) -> None:
               if spec.get("schedule") and tree_mode else None)
     proposals = (llm.collective_rpc(oracle.recorded_proposals)[0]
                  if spec.get("record_proposals") else None)
+    chunk_faults = (llm.collective_rpc(oracle.chunk_faults)[0]
+                    if spec.get("chunk_faults") is not None and tree_mode else None)
     metrics = llm.get_metrics()
 
     def counter(name: str) -> float:
@@ -95,7 +103,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
-                   "proposals": proposals,
+                   "proposals": proposals, "chunk_faults": chunk_faults,
                    "preemptions": counter("vllm:num_preemptions"),
                    "prefix_cache_hits": counter("vllm:prefix_cache_hits"),
                    "spec_decode": {

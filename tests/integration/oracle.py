@@ -337,3 +337,40 @@ def restore_vllm_zero_drafts(worker) -> bool:
     runner._copy_draft_token_ids_to_cpu = GPUModelRunner._copy_draft_token_ids_to_cpu.__get__(
         runner)
     return True
+
+
+def count_chunk_faults(worker, control_pad_locals: int) -> bool:
+    """collective_rpc target: count the worker thread's minor page faults inside
+    the runner's fresh-chunk entries; every frame-stack chunk CPython maps there
+    faults at least once. ``execute_model`` calls alternate between the shipped
+    entry and one built with ``control_pad_locals`` pad locals (the negative
+    control), so both are measured on the same steps of one engine."""
+    import resource
+
+    from vllm_treespec.vllm_glue import frame_stack
+    from vllm_treespec.vllm_glue import runner as runner_module
+
+    entries = {"shipped": frame_stack.call_on_fresh_chunk,
+               "control": frame_stack._make_entry(control_pad_locals)}
+    faults: dict[str, list[int]] = {"shipped": [], "control": []}
+    turn = [0]
+
+    def counted(fn, *args, **kwargs):
+        if getattr(fn, "__name__", "") != "execute_model":
+            return entries["shipped"](fn, *args, **kwargs)
+        name = ("shipped", "control")[turn[0] % 2]
+        turn[0] += 1
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        try:
+            return entries[name](fn, *args, **kwargs)
+        finally:
+            faults[name].append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+
+    runner_module.call_on_fresh_chunk = counted
+    worker._treespec_chunk_faults = faults
+    return True
+
+
+def chunk_faults(worker) -> dict[str, list[int]]:
+    """collective_rpc target: what ``count_chunk_faults`` counted, per entry call."""
+    return worker._treespec_chunk_faults

@@ -13,29 +13,38 @@ of 20, and the served tree was 15 % slower than the same tree in an offline
 
 Where the boundary falls depends on how deep vLLM's own loop sits, which this
 plugin does not control; so ``call_on_fresh_chunk`` enters through a frame with
-2,100 (dead) locals, ~16.8 KiB. It never fits the free part of an ordinary
-16 KiB chunk, so CPython gives it a chunk of its own (sized with headroom,
-32 KiB), and the frames below it fill the ~15 KiB left there: a fixed place,
-whatever the caller's depth. That room is smaller than the entry frame itself,
-so a nested entry starts a chunk of its own again. Measured: a served tree step
-then maps about one chunk instead of ~70 (80 ``munmap`` per 3 s instead of
-7,478), so a step's call tree fits the room.
+3,500 (dead) locals, ~28 KiB. It never fits the free part of an ordinary 16 KiB
+chunk, so CPython gives it a chunk of its own, sized for the frame plus 1,000
+words of headroom: 64 KiB. The frames below it fill the ~36 KiB left there, a
+fixed place whatever the caller's depth, so a step whose call tree fits that
+room maps one chunk per step however deep its caller is.
+
+The room has to hold the deepest call tree of a step. The first version of this
+entry left ~15 KiB (a 32 KiB chunk); by 2026-11-28 a one-wide tree step had
+outgrown it, and every attention call crossed a boundary again: an offline
+engine unmapped 2,060 chunks in 5 s against 64 for stock ``eagle3`` k=3
+(``strace -c``), and vLLM's attention kernel took 57 us a call against 31 us with
+this room, the same inputs (AMD EPYC, AVX-512, 2 cores). tests/integration/
+test_frame_stack_room.py runs a compiled tree engine and fails when a step
+outgrows it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-# Locals of the entry frame, 8 bytes each: more than a 16 KiB chunk holds, and
-# more than the room its own chunk leaves (CPython doubles a chunk from 16 KiB
-# until frame + 1,000 words fit: 32 KiB here).
-_PAD_LOCALS = 2100
+# Locals of the entry frame, 8 bytes each. CPython sizes a new chunk by doubling
+# 16 KiB until the frame plus 1,000 words fit: 3,500 + 1,000 words (36 KiB) need
+# 64 KiB, which leaves ~36 KiB below the entry; ~400 words above the 32 KiB
+# step, so a few words more or less per frame in another CPython change nothing.
+# A nested entry would fit that room, and leave 8 KiB below it: do not nest.
+_PAD_LOCALS = 3500
 
 
-def _make_entry() -> Callable[..., Any]:
+def _make_entry(pad_locals: int = _PAD_LOCALS) -> Callable[..., Any]:
     # The pad names are locals of the code object (the compiler drops the dead
     # assignment, not the names), so the frame reserves room for them.
-    pad = " = ".join(f"_{i}" for i in range(_PAD_LOCALS))
+    pad = " = ".join(f"_{i}" for i in range(pad_locals))
     source = ("def call_on_fresh_chunk(fn, *args, **kwargs):\n"
               "    if False:\n"
               f"        {pad} = None\n"

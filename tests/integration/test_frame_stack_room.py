@@ -1,0 +1,67 @@
+"""A tree step's call tree fits the room ``call_on_fresh_chunk`` gives it.
+
+When it does not, the deepest calls of every step (the attention layers) cross a
+CPython frame-stack chunk boundary and map and unmap a chunk each time; each
+unmap interrupts the OpenMP threads on the other cores, and the attention
+kernel ran at half speed (vllm_glue/frame_stack.py). A mapping faults when first
+touched, so the worker thread's minor page faults inside ``execute_model``
+count the pages of chunks it touched: a step that stays in its entry's chunk
+touches at most that chunk's pages, one that keeps crossing touches more.
+
+The engine is compiled, as served: an eager step is shallower and fits even the
+first version's room (measured 2026-11-28: an eager step faulted 6 times with the
+first version's entry; a compiled one 38, one chunk per attention layer).
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import pytest
+
+from tests.integration.conftest import base_engine, run_engine
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(sys.implementation.name != "cpython" or sys.version_info < (3, 11)
+                       or not hasattr(resource, "RUSAGE_THREAD"),
+                       reason="frame-stack chunks are a CPython >= 3.11 mechanism; "
+                              "faults counted per thread (Linux)"),
+]
+
+FIRST_VERSION_PAD = 2100  # 15 KiB of room: outgrown by a compiled one-wide tree step
+FRAME_OVERHEAD_WORDS = 16  # a frame's fixed part and value stack, about
+
+
+def _chunk_pages(pad_locals: int) -> int:
+    """Pages of the chunk CPython maps for an entry frame of ``pad_locals`` locals:
+    16 KiB, doubled until the frame plus 1,000 words fit."""
+    size = 16 * 1024
+    while size < 8 * (pad_locals + FRAME_OVERHEAD_WORDS + 1000):
+        size *= 2
+    return size // resource.getpagesize()
+
+
+def test_a_compiled_tree_step_stays_in_its_entry_chunk(target_dir, tokenizer, engine_dir):
+    from statistics import median
+
+    from tests.integration.prompts import chat_token_ids
+    from vllm_treespec.assets import committed_drafter_dir
+    from vllm_treespec.vllm_glue.frame_stack import _PAD_LOCALS
+
+    spec = {"method": "eagle3_tree", "model": str(committed_drafter_dir()), "top_k": 1,
+            "num_nodes": 3, "depth": 3, "adaptive": False}
+    engine = base_engine(target_dir, speculative_config=spec, max_num_seqs=1)
+    del engine["compilation_config"]  # vLLM's default: compiled, as served
+    out = run_engine({"engine": engine, "prompts": chat_token_ids(tokenizer)[:2],
+                      "batch": 1, "chunk_faults": {"control_pad_locals": FIRST_VERSION_PAD},
+                      "sampling": {"temperature": 0.0, "max_tokens": 48}},
+                     engine_dir, "chunk_faults")
+    faults = out["chunk_faults"]
+    assert min(map(len, faults.values())) >= 20, faults
+    # Medians: a new request's first steps allocate (and fault) more.
+    shipped, control = median(faults["shipped"]), median(faults["control"])
+    assert shipped <= _chunk_pages(_PAD_LOCALS), faults
+    # Negative control, same steps: the first version's room is outgrown.
+    assert control > _chunk_pages(FIRST_VERSION_PAD), faults
