@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from vllm_treespec import assets
@@ -154,10 +155,20 @@ def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str,
     if (store / "prompts.jsonl").exists() and not (work / "prompts.jsonl").exists():
         shutil.copy(store / "prompts.jsonl", work / "prompts.jsonl")  # made with the pack
     head = store / "head"
-    _train_drafter(["--target", str(target), "--out", str(head), "--work", str(work),
-                    "--stages", "prompts,generate,followups,vocab,train,export", "--backend",
-                    "transformers", "--device", device, "--max-minutes", str(minutes),
-                    *TRAIN_ARGS, *extra])
+    common = ["--target", str(target), "--out", str(head), "--work", str(work), "--backend",
+              "transformers", "--device", device]
+    started = time.time()
+    _train_drafter([*common, "--stages", "prompts,generate,followups,vocab,train,export",
+                    "--max-minutes", str(minutes), *TRAIN_ARGS, *extra])
+    exported = (head / "config.json").exists() and (head / "config.json").stat().st_mtime >= started
+    if not exported and (work / "ckpt" / "last.pt").exists():
+        # Training stopped for time before its last step: export the best evaluated step
+        # so far all the same, since a lease may end before a rerun; a rerun trains on
+        # from the checkpoint and exports again.
+        try:
+            _train_drafter([*common, *TRAIN_ARGS, *extra, "--stages", "export"])
+        except RuntimeError as e:  # no evaluated step yet
+            print(f"no head to export yet: {e}")
     if (head / "config.json").exists():
         shutil.rmtree(out, ignore_errors=True)
         shutil.copytree(head, out)
@@ -165,7 +176,9 @@ def run(pack_dir: Path, store: Path, minutes: float, out: Path, device: str,
             weights = out / "model.safetensors"
             _cut(weights, out, out_part_mib)
             weights.unlink()
-        return f"done: head exported to {out}"
+        if exported:
+            return f"done: head exported to {out}"
+        return f"partial: the best step so far exported to {out}; rerun to train on"
     return "progress: rerun the same command to continue"
 
 
