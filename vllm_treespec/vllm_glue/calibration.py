@@ -57,8 +57,10 @@ class StepCostCalibration:
             return
         limit = self.scheduler_config.max_num_batched_tokens
         for n in (n for n in self.CALIBRATION_SIZES if n <= limit):
-            # Best of 7 where a forward takes milliseconds: best of 3 left 1-token
-            # knots of 11.0 to 15.9 ms between server starts on one machine.
+            # Best of 7 where a forward takes milliseconds: with best of 3 a stall
+            # once left the 1-token knot above the 4-token one. (The spread between
+            # server starts, 1-token knots of 11.0-16.6 ms on one machine, is the
+            # process's own: its live steps differ alike, and the table follows them.)
             policy.step_cost.set_knot(n, self._time_forward(n, 7 if n <= 64 else 1))
         cost = policy.step_cost
         cost.nondecreasing()
