@@ -71,9 +71,8 @@ class StepCostTable:
     verified token, and a factor would inflate it by the share of that per-step
     work. In one batch-1 CPU engine (``benchmarks/step_costs.py``) chain steps of
     3 to 6 tokens took 2 to 4 ms more than the sweep's 16.5 ms; read as a factor
-    (1.1-1.3), that prices every verified token 10-30 % too high. Served at 16
-    concurrent requests, where steps verify dozens of tokens, the budget went
-    from speculating hardly at all (0.99x plain) to 1.03x plain with this shift.
+    (1.1-1.3), that prices every verified token 10-30 % too high, and more so at
+    concurrency, where steps verify dozens of tokens.
     """
 
     def __init__(self, rate: float = 0.02, shift_rate: float = 0.1):
@@ -94,17 +93,20 @@ class StepCostTable:
         if not self.n or n < self.n[0] or n > self.n[-1]:
             self.set_knot(n, seconds)
             return
-        # One stalled step (a pause, a page fault storm) must not swing the table.
-        predicted = self(n)
-        shift = self.shift_rate * min(max(seconds - predicted, -0.5 * predicted), predicted)
+        shift = self.shift_rate * self._bounded_error(n, seconds)
         self.t = [max(t + shift, 1e-6) for t in self.t]
         i = min(bisect.bisect_right(self.n, n), len(self.n) - 1)
         lo = max(i - 1, 0)
         w = 0.0 if self.n[i] == self.n[lo] else (n - self.n[lo]) / (self.n[i] - self.n[lo])
-        predicted = self(n)
-        err = min(max(seconds - predicted, -0.5 * predicted), predicted)
+        err = self._bounded_error(n, seconds)
         self.t[lo] += self.rate * (1 - w) * err
         self.t[i] += self.rate * w * err
+
+    def _bounded_error(self, n: float, seconds: float) -> float:
+        """``seconds`` minus the table's value at n, within -1/2 and +1 times that
+        value: one stalled step (a pause, a page fault storm) must not swing the table."""
+        predicted = self(n)
+        return min(max(seconds - predicted, -0.5 * predicted), predicted)
 
     def nondecreasing(self) -> None:
         """Lower every knot to the cheapest at or above its N: a forward over more
