@@ -3,7 +3,8 @@
 * ``trace_dir`` (tree setting, or ``$VLLM_TREESPEC_TRACE_DIR``): the worker writes
   ``manifest.json`` (versions, model, drafter, settings) once and
   ``steps-<pid>.jsonl`` with one line per verify step (per request: prefix
-  length, tree tokens and parents, accepted path, emitted tokens; stage times).
+  length, tree tokens and parents, each node's draft probability, accepted
+  path, emitted tokens; stage times).
 * When an invariant check fails (``validate_invariants``), the failing batch is
   dumped to ``treespec-failure-<time>.json`` (in ``trace_dir`` or the temp dir)
   and the step continues safely (see the runner / proposer).

@@ -657,3 +657,71 @@ def test_probe_schedule_backs_off_while_off_and_respects_the_cost_floor():
     # Speculating again brings the on-state gap back at once.
     assert not floored.due(151, True, lambda: 50) and floored.due(155, True, lambda: 50)
     assert ProbeSchedule(every=0).due(1, False, lambda: 0) is False
+
+
+def drafting_policy(level_s=0.002):
+    """Tree mode at batch 1 with known drafting costs: one-wide levels of
+    ``level_s``, a 1 ms first pass, 40 ms + 1 ms a verified token."""
+    p = policy()
+    p.chains = False  # tree mode only: chain mode never stops early
+    for _ in range(20):
+        p.observe_draft(2, 0.001, levels=2, nodes_forwarded=2, levels_s=2 * level_s,
+                        batch=1, one_wide=True)
+    return p
+
+
+def test_a_step_stops_drafting_where_its_frontier_cannot_pay_for_a_level():
+    p = drafting_policy()
+    assert p.level_pays(torch.tensor([[-30.0]]), 0)  # unplanned: never stops
+    assert p.plan_depth(1) > 0 and not p.chain_mode
+    rate = p._plan_rate
+    assert rate == pytest.approx(p.predicted_ratio(1, p.last_depth) / p.step_cost(1))
+    # A level costs 2 ms of drafting + 1 ms for the token more it verifies: it
+    # pays if the forwarded node's acceptance estimate reaches 3 ms of the rate.
+    threshold = 0.003 * rate
+    assert 0.05 < threshold < 0.5
+    assert p.level_pays(torch.tensor([[np.log(1.05 * threshold)]]), 2)
+    assert not p.level_pays(torch.tensor([[np.log(0.95 * threshold)]]), 2)
+    # Calibrated: a drafter whose nodes are accepted twice as often as it says.
+    p.kappa = 2.0
+    assert p.level_pays(torch.tensor([[np.log(0.6 * threshold)]]), 2)
+    p.kappa = 1.0
+    # Chain mode (verified whole, priced whole) and probes draft their depth.
+    p.chain_mode = True
+    assert p.level_pays(torch.tensor([[-30.0]]), 2)
+    p.chain_mode, p.probing = False, True
+    assert p.level_pays(torch.tensor([[-30.0]]), 2)
+
+
+def test_a_batch_pays_for_a_level_with_its_requests_together():
+    """Four requests share one level: each alone is too unsure for it, together
+    they are not (the level's drafting time is paid once for the batch)."""
+    p = drafting_policy(level_s=0.004)
+    for _ in range(20):  # the same level for 4 requests: 5 ms
+        p.observe_draft(8, 0.002, levels=2, nodes_forwarded=8, levels_s=0.010,
+                        batch=4, one_wide=True)
+    assert p.plan_depth(4) > 0 and not p.chain_mode
+    one = drafting_policy(level_s=0.004)
+    assert one.plan_depth(1) > 0
+    q = 0.8 * (0.005 + 0.001) * one._plan_rate
+    assert not one.level_pays(torch.tensor([[np.log(q)]]), 1)
+    cost = p.chain_level_cost(4) + p.step_cost(12) - p.step_cost(8)
+    each = 1.2 * cost * p._plan_rate / 4
+    assert p.level_pays(torch.full((4, 1), float(np.log(each))), 1)
+    assert not p.level_pays(torch.full((4, 1), float(np.log(0.8 * each))), 1)
+
+
+def test_a_depth_is_priced_with_the_levels_its_steps_ran():
+    """Steps planned at depth 6 that stopped after one level cost one level's
+    drafting, not five: the price of depth 6 follows (tree mode; the greedy
+    chain verified whole still pays every level)."""
+    p = drafting_policy(level_s=0.004)
+    before = p.predicted_ratio(1, 6)
+    chain_before = p.predicted_ratio(1, 6, chain=True)
+    for _ in range(40):
+        p.observe_budget(6, 6.0, levels=1)
+    assert p.levels_at[5] == pytest.approx(1.0, abs=1e-3)
+    after = p.predicted_ratio(1, 6)
+    # Four levels (16 ms) fewer in a step of ~65 ms.
+    assert after > 1.2 * before
+    assert p.predicted_ratio(1, 6, chain=True) == pytest.approx(chain_before)

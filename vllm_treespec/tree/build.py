@@ -162,6 +162,12 @@ class DynamicTreeBuilder:
             width = max(width, int(slots[tip].max()) + 1)
         return max(width, 1)
 
+    def frontier_scores(self, width: int) -> torch.Tensor:
+        """[B, width] cumulative draft log-probs of the frontier's ``width`` best
+        nodes (the ones the next level would forward)."""
+        assert self._frontier_score is not None
+        return self._frontier_score[:, :width]
+
     def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
         """Expand the frontier. frontier_logprobs: [B, w, V] draft log-probs after the
         first ``w <= k`` frontier nodes (in the order of the previous Level; the

@@ -147,10 +147,12 @@ class TreeMetrics:
             lists = tree.to_lists()
             paths, tokens = acc.path.tolist(), acc.tokens.tolist()
             prefix = step.prefix_len.tolist()
+            probs = [[float(f"{p:.4g}") for p in ps] for ps in step.draft_probs or ()]
             self._pending = {
                 "batch": step.num_reqs,
                 "requests": [{"id": rid, "prefix_len": prefix[i], "nodes": len(lists[i]["token"]) - 1,
                               "tokens": lists[i]["token"], "parents": lists[i]["parent"],
+                              "draft_probs": probs[i] if probs else None,
                               "accepted": accepted[i], "path": paths[i][: accepted[i] + 1],
                               "emitted": [x for x in tokens[i] if x >= 0]}
                              for i, rid in enumerate(req_ids)],

@@ -229,13 +229,18 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                                                  block_table, side_capacity, scratch)
             levels_run, nodes_forwarded = 1, batch_size * (depth - 1)
             level = builder.grow_from_marginals(level, marginals, width_cap)  # done: no loop
+        # The adaptive budget may end a step's drafting before its planned depth.
+        stops_early = self.policy is not None and dynamic
         while not builder.done and level.tokens.shape[1] > 0:
-            levels_run += 1
             F = level.tokens.shape[1]
             if dynamic and width_cap > 1:  # only frontier nodes whose children can be kept
                 F = min(F, width_cap, builder.selectable_width())
             elif dynamic:
                 F = min(F, width_cap)
+            if stops_early and not self.policy.level_pays(builder.frontier_scores(F),
+                                                          levels_run):
+                break  # too unsure to pay for another level (see AdaptiveBudget.level_pays)
+            levels_run += 1
             nodes_forwarded += batch_size * F
             if chain_levels:  # F == 1
                 last_hidden, hidden = self._chain_level(block_table, prefix_len, level,
@@ -280,7 +285,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         if self.policy is not None:
             self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
                                        branching=not chain_only,
-                                       unverified=int((trees.num_nodes == 0).sum()))
+                                       unverified=int((trees.num_nodes == 0).sum()),
+                                       levels=levels_run if self.slot_state is None else None)
         t_check = time.perf_counter()
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
@@ -364,8 +370,10 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
 
     # ------------------------------------------------------------------ verify
     def tree_for(self, req_id: str, scheduled: list[int]
-                 ) -> tuple[list[int], list[int], float]:
-        """(tokens, parents, predicted accepted drafts) of the scheduled drafts.
+                 ) -> tuple[list[int], list[int], list[float]]:
+        """(tokens, parents, draft probabilities) of the scheduled drafts (a node's
+        probability: the product of its path's draft probabilities; their sum is
+        the drafts the proposer expects to be accepted).
 
         The scheduler may have truncated the drafts (token budget, max length): BFS
         order keeps any prefix a valid tree. Drafts that do not match what was
@@ -375,8 +383,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         n = len(scheduled)
         tree = self.proposed.get(req_id)
         if tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled):
-            return tree.tokens[:n], tree.parents[:n], float(sum(tree.probs[:n]))
-        return list(scheduled), list(range(n)), 0.0
+            return tree.tokens[:n], tree.parents[:n], tree.probs[:n]
+        return list(scheduled), list(range(n)), [0.0] * n
 
     def forget(self, req_ids) -> None:
         """Finished requests: drop their trees and deferred drafter inputs."""

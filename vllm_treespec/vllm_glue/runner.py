@@ -190,7 +190,8 @@ class TreeRunnerMixin(StepCostCalibration):
                           prefix_len=torch.from_numpy(prefix).to(dev),
                           token_start=torch.from_numpy(token_start).to(dev),
                           logit_start=torch.from_numpy(logit_start).to(dev),
-                          num_reqs=num_reqs, predicted=sum(e[3] for e in entries),
+                          num_reqs=num_reqs, predicted=float(sum(sum(e[3]) for e in entries)),
+                          draft_probs=[e[3] for e in entries],
                           depth=getattr(self.drafter, "last_depth", tree.max_depth))
         if not tree.is_chain:  # a chain's depths are its linear positions already
             # Depth-based rotary positions; the slot mapping above stays linear.
@@ -214,7 +215,7 @@ class TreeRunnerMixin(StepCostCalibration):
             bad = [j for j, t in enumerate(tokens) if not 0 <= t < vocab]
             if bad:
                 fixed = [0 if j in bad else t for j, t in enumerate(tokens)]
-                entries[i] = (index, fixed, list(range(len(fixed))), 0.0)
+                entries[i] = (index, fixed, list(range(len(fixed))), [0.0] * len(fixed))
                 rows += [int(token_start[i]) + 1 + j for j in bad]
         if rows:
             self.input_ids.gpu[torch.tensor(rows, device=self.device)] = 0
@@ -230,7 +231,8 @@ class TreeRunnerMixin(StepCostCalibration):
                     "prefix_len": prefix.tolist()}
 
         def as_chain(tree, b):  # a chain of in-vocabulary drafts is always valid
-            entries[b] = (entries[b][0], entries[b][1], list(range(len(entries[b][1]))), 0.0)
+            entries[b] = (entries[b][0], entries[b][1], list(range(len(entries[b][1]))),
+                          [0.0] * len(entries[b][1]))
             return TreeBatch.from_parents(
                 [[r] + e[1] for r, e in zip(roots, entries)], [[0] + e[2] for e in entries],
                 tree_size=tree.tree_size, max_children=tree.max_children, device=self.device)

@@ -83,6 +83,7 @@ class VerifyStep:
     logit_start: torch.Tensor    # [Bt] logits row of each root
     num_reqs: int
     predicted: float = 0.0       # sum of draft probabilities of the verified nodes
+    draft_probs: list[list[float]] | None = None  # per tree, per draft node (traces)
     depth: int = 0               # drafting depth that produced these trees
     prepare_s: float = 0.0       # tensorize + positions + attention metadata
     hidden_states: torch.Tensor | None = None
