@@ -705,7 +705,7 @@ def test_a_batch_pays_for_a_level_with_its_requests_together():
     assert one.plan_depth(1) > 0
     q = 0.8 * (0.005 + 0.001) * one._plan_rate
     assert not one.level_pays(torch.tensor([[np.log(q)]]), 1)
-    cost = p.chain_level_cost(4) + p.step_cost(12) - p.step_cost(8)
+    cost = p.chain_level_cost(4) + p.step_cost(16) - p.step_cost(12)  # 3 -> 4 tokens each
     each = 1.2 * cost * p._plan_rate / 4
     assert p.level_pays(torch.full((4, 1), float(np.log(each))), 1)
     assert not p.level_pays(torch.full((4, 1), float(np.log(0.8 * each))), 1)

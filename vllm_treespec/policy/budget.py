@@ -215,8 +215,10 @@ class AdaptiveBudget(BudgetEstimates):
             return True
         B, F = frontier_scores.shape
         level = self.chain_level_cost(B) if F == 1 else self.level_cost(B * F)
-        n = B * (2 + levels_done)  # the step's verified tokens with one node more a request
-        more, now = self.step_cost(n), self.step_cost(n - B)
+        # Verified tokens a request so far: the root and a draft per depth drafted
+        # (the first pass's and one per level); the next level adds one.
+        now_n = B * (2 + levels_done)
+        more, now = self.step_cost(now_n + B), self.step_cost(now_n)
         if level is None or more is None or now is None:
             return True
         # A few numbers: plain Python costs less than torch ops on them.
