@@ -721,6 +721,10 @@ def test_a_depth_is_priced_with_the_levels_its_steps_ran():
     for _ in range(40):
         p.observe_budget(6, 6.0, levels=1)
     assert p.levels_at[5] == pytest.approx(1.0, abs=1e-3)
+    p.probing = True  # a probe drafts its whole depth: not what planned steps run
+    p.observe_budget(6, 6.0, levels=5)
+    p.probing = False
+    assert p.levels_at[5] == pytest.approx(1.0, abs=1e-3)
     after = p.predicted_ratio(1, 6)
     # Four levels (16 ms) fewer in a step of ~65 ms.
     assert after > 1.2 * before

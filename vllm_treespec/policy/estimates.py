@@ -215,5 +215,7 @@ class BudgetEstimates:
         if 1 <= depth <= self.D and not self.chain_mode:  # what tree mode keeps
             self.nodes_at[depth - 1] = 0.8 * self.nodes_at[depth - 1] + 0.2 * nodes_per_request
             self.branch_at[depth - 1] = 0.8 * self.branch_at[depth - 1] + 0.2 * branching
-            if levels is not None:
+            # Probes draft their whole depth (they explore it): what planned steps
+            # at that depth would run is what they do not show.
+            if levels is not None and not self.probing:
                 self.levels_at[depth - 1] = 0.8 * self.levels_at[depth - 1] + 0.2 * levels
