@@ -98,6 +98,19 @@ def chat_prompts(tokenizer, turns) -> list[str]:
                                           tokenize=False) for t in turns]
 
 
+def greedy_first_turns_tok_s(llm, prompts: int, max_tokens: int) -> float:
+    """Greedy decode the first ``prompts`` pangu240 first turns (chat-formatted) in
+    one ``generate`` call; output tokens per second of wall time."""
+    from vllm import SamplingParams
+
+    from vllm_treespec.bench import pangu240
+
+    texts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(prompts))
+    t0 = time.perf_counter()
+    outputs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - t0)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="none,eagle3_tree",

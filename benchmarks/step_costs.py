@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -91,20 +90,13 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of local functions
     sys.path.insert(0, str(Path(__file__).parent))
-    from interleaved_ab import batch1_engine, chat_prompts
-    from vllm import SamplingParams
-
-    from vllm_treespec.bench import pangu240
+    from interleaved_ab import batch1_engine, greedy_first_turns_tok_s
 
     llm = batch1_engine(args.method)
     llm.collective_rpc(_install)
-    prompts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(args.prompts))
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    seconds = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tok_s = greedy_first_turns_tok_s(llm, args.prompts, args.max_tokens)
     result = {"command": "python benchmarks/step_costs.py " + " ".join(argv or sys.argv[1:]),
-              "method": args.method, "tok_s": round(tokens / seconds, 2),
+              "method": args.method, "tok_s": round(tok_s, 2),
               **summarize(llm.collective_rpc(_collect)[0])}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_costs.json").write_text(json.dumps(result, indent=1) + "\n")

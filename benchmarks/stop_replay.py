@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 TAUS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
@@ -35,18 +34,11 @@ TAUS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 def record(method: str, trace: Path, prompts: int, max_tokens: int) -> float:
     """Run one engine over the first ``prompts`` chat turns, tracing to ``trace``."""
+    from interleaved_ab import batch1_engine, greedy_first_turns_tok_s
+
     os.environ["VLLM_TREESPEC_TRACE_DIR"] = str(trace)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from interleaved_ab import batch1_engine, chat_prompts
-    from vllm import SamplingParams
-
-    from vllm_treespec.bench import pangu240
-
     llm = batch1_engine(method)
-    texts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(prompts))
-    t0 = time.perf_counter()
-    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    tok_s = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0)
+    tok_s = greedy_first_turns_tok_s(llm, prompts, max_tokens)
     del llm
     return tok_s
 
@@ -73,7 +65,8 @@ def replay(steps, depth: int, a_ms: float, b_ms: float) -> dict:
             l = stop_at(probs)
             tokens += 1 + min(accepted, l)
             ms += a_ms + b_ms * l
-        return {"tok_s": round(1e3 * tokens / ms, 2), "tokens_per_step": round(tokens / len(steps), 3)}
+        return {"tok_s": round(1e3 * tokens / ms, 2),
+                "tokens_per_step": round(tokens / len(steps), 3)}
 
     def first_below(tau: float, cap: int):
         return lambda probs: next((l for l in range(1, cap + 1) if probs[l - 1] < tau), cap)
@@ -98,6 +91,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    sys.path.insert(0, str(Path(__file__).parent))
     depths = {"deep": args.depth, "short": 2}
     tok_s, periods, steps = {}, {}, {}
     for name, d in depths.items():

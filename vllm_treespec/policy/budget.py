@@ -45,7 +45,7 @@ and decides every step:
   unsure stops early and verifies what it has, one whose chain stays sure
   reaches the cap. Traced at batch 1 (1,737 steps of a one-wide chain of 6 on
   the CPU), this rule at the same cap would have been 11 % faster than the
-  best fixed chain length of the same drafts, and 7 % at a cap of 4; the
+  best fixed chain length of the same drafts, and 8 % at a cap of 4; the
   planned depth is priced with the levels such steps really ran
   (``levels_at``), and tree mode counts a chain stopped early as not accepted
   beyond its end, as it counts a selection that cut it.
