@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_treespec.policy.acceptance import ConditionalAcceptance
-from vllm_treespec.policy.costs import LinearFit, StepCostTable
+from vllm_treespec.policy.costs import CycleFit, LinearFit, StepCostTable
 from vllm_treespec.tree.accept import Outcome
 
 
@@ -39,6 +39,9 @@ class BudgetEstimates:
         # planning, the roots' draft log-probs and top-k, the selection, the
         # hand-over. Fixed per step, so a depth-1 step (no level) pays it too.
         self.draft_overhead = LinearFit()
+        # Whole engine cycles by batch size: their token rate and what a verified
+        # token adds to them (level_pays).
+        self.cycles: dict[int, CycleFit] = {}
         self.kappa = 1.0                      # calibration of draft probabilities
         self._pred, self._obs = 1e-6, 1e-6
         # Acceptance of the trees drafted in tree mode, and of the greedy chain
@@ -135,6 +138,16 @@ class BudgetEstimates:
             chain = self.step_cost(self._branching_steps[0])
             if chain is not None:
                 self.branch_cost = self._branching_steps[1] - chain
+
+    def observe_cycle(self, batch: int, verified: int, committed: int, drafting_s: float,
+                      period_s: float) -> None:
+        """One engine cycle of ``batch`` decoding requests, from a verify step's
+        start to the next one's: ``verified`` tokens verified, ``committed``
+        tokens committed, ``drafting_s`` of it spent drafting."""
+        fit = self.cycles.get(batch)
+        if fit is None:
+            fit = self.cycles[batch] = CycleFit()
+        fit.add(verified, committed, drafting_s, period_s)
 
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
                       nodes_forwarded: int, levels_s: float, batch: int = 0,

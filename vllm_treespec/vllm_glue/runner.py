@@ -67,6 +67,10 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_tokens = 0
         self._step_is_decode = False
         self._step_branching = False  # some tree of this step is not a chain
+        self._step_committed = 0  # tokens the step commits (requests + accepted drafts)
+        # The last decode step's (start, requests, verified, committed, drafting s):
+        # closed into an engine cycle by the next step's start (observe_cycle).
+        self._open_cycle: tuple[float, int, int, int, float] | None = None
         # Cache blocks past the scheduler's, for the attention backend's per-step
         # scratch (see _CPUDevice); none unless a device reserves them.
         self.tree_spare_blocks: list[int] = []
@@ -92,6 +96,8 @@ class TreeRunnerMixin(StepCostCalibration):
             policy.observe_step(self._step_tokens,
                                 time.perf_counter() - self._step_start - drafted,
                                 branching=self._step_branching)
+            self._open_cycle = (self._step_start, self.input_batch.num_reqs,
+                                self._step_tokens, self._step_committed, drafted)
         self._step_start = None
         return out
 
@@ -154,6 +160,15 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_is_decode = bool(np.all(num_scheduled_tokens == 1 + num_drafts))
         self._step_tokens = int(num_scheduled_tokens.sum())
         self._step_start = time.perf_counter()
+        self._step_committed = self.input_batch.num_reqs  # plus accepted drafts, if any
+        cycle, self._open_cycle = self._open_cycle, None
+        if (cycle is not None and self._step_is_decode and self.tree_policy is not None
+                and cycle[1] == self.input_batch.num_reqs):
+            # Decode after decode, same requests: the engine's whole cycle,
+            # scheduler and output handling included (AdaptiveBudget.level_pays).
+            start, batch, verified, committed, drafted = cycle
+            self.tree_policy.observe_cycle(batch, verified, committed, drafted,
+                                           self._step_start - start)
         self._step_branching = False
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
@@ -356,6 +371,7 @@ class TreeRunnerMixin(StepCostCalibration):
         t1 = time.perf_counter()
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
+        self._step_committed += sum(outcome.accepted)
         if self.tree_policy is not None:
             self.tree_policy.observe_acceptance(outcome, step.depth, step.predicted)
         req_ids = (None if self.tree_metrics.trace is None else
