@@ -217,6 +217,24 @@ def test_acceptance_observations_calibrate_and_update_rates():
     assert p.accepted_at[3] == pytest.approx(0.0, abs=0.02)
 
 
+def test_a_fresh_engines_first_drafting_step_does_not_turn_speculation_off():
+    """Served, a fresh engine's first step drafted 5 nodes, accepted none and
+    timed 40 ms of one-time drafting work: kappa fell to its floor, drafting
+    was priced at that sample, and speculation stayed off for turns."""
+    p = policy(base=0.025, per_token=0.0003)
+    assert p.plan_depth(1) > 0
+    p.observe_budget(p.last_depth, 5.0)
+    p.observe_draft(1, 0.003, levels=4, nodes_forwarded=4, levels_s=0.020, batch=1,
+                    overhead_s=0.040, one_wide=True)
+    p.observe_acceptance([0], depth_used=p.last_depth, predicted=2.0)
+    assert p.kappa > 0.4 and p.draft_overhead(1) is None
+    assert p.plan_depth(1) > 0
+    # The steps after it are learned from.
+    p.observe_draft(1, 0.003, levels=2, nodes_forwarded=2, levels_s=0.004, batch=1,
+                    overhead_s=0.002, one_wide=True)
+    assert p.draft_overhead(1) == pytest.approx(0.002)
+
+
 def test_select_keeps_the_best_nodes_batch_wide():
     p = policy(per_token=0.001)
     gen = torch.Generator().manual_seed(0)
@@ -724,6 +742,13 @@ def test_cycle_fit_learns_a_verified_tokens_price_and_the_rate():
     rate, price = fit.rate(), fit.token_price()
     fit.add(4, 2, 0.008, 1.0)
     assert fit.rate() > 0.97 * rate and fit.token_price() == pytest.approx(price, abs=0.0002)
+    # A fresh engine's first cycles (several times slower) are not learned from.
+    slow_start, plain = CycleFit(), CycleFit()
+    for i in range(100):
+        for fit in (slow_start, plain):
+            fit.add(2 + i % 3, 2, 0.004, (0.3 if fit is slow_start and i < 32 else 0.03)
+                    + 0.001 * (i % 3))
+    assert slow_start.rate() == pytest.approx(plain.rate(), rel=0.01)
     # Cycles that all verify as much show no price (the caller falls back).
     flat = CycleFit()
     for _ in range(100):
@@ -751,6 +776,18 @@ def test_a_level_is_priced_by_live_cycles_once_seen():
     old = (0.002 + q.step_cost(5) - q.step_cost(4)) * q._plan_rate
     assert q.level_pays(torch.tensor([[np.log(1.03 * old)]]), 2)
     assert not q.level_pays(torch.tensor([[np.log(0.97 * old)]]), 2)
+
+
+def test_selection_prices_verified_nodes_by_live_cycles_once_seen():
+    """The table says a verified token costs 1 ms in a 41 ms step: a node 6 %
+    likely pays. Cycles say 3 ms: only nodes above ~18 % do."""
+    p = drafting_policy()
+    assert p.plan_depth(1) > 0 and not p.chain_mode
+    scores = torch.log(torch.tensor([[0.9, 0.5, 0.12, 0.06]]))
+    chain = torch.ones(1, 4, dtype=torch.bool)
+    assert p.select(scores, 4, chain)[0].tolist() == [4]
+    feed_cycles(p, 1, price=0.003)
+    assert p.select(scores, 4, chain)[0].tolist() == [2]
 
 
 def test_a_batch_pays_for_a_level_with_its_requests_together():

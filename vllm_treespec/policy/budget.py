@@ -60,8 +60,10 @@ and decides every step:
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
   (kappa calibrates the drafter online); the best prefix of the candidates by
-  q maximises (B + sum q) / t(B + k) (``selection``). The same cut restricted to each
-  request's greedy chain competes with it: chains verify with a device's
+  q maximises (B + sum q) / t(B + k) (``selection``; t: the whole engine cycle
+  once ``CycleFit`` has seen cycles at this batch size, the step-cost table
+  before). The same cut restricted to each request's greedy chain competes
+  with it: chains verify with a device's
   causal kernel, while a step with branching trees pays a learned extra cost
   for tree attention (large on the CPU, about zero with a fused tree kernel).
 
@@ -269,7 +271,14 @@ class AdaptiveBudget(BudgetEstimates):
             depth = min(self.last_depth, max_nodes)
             return torch.full((B,), depth, dtype=torch.long, device=dev), True
         m = min(max_nodes, scores.shape[1])
-        cost = self.step_cost.costs(B + np.arange(B * m + 1))  # a step verifying k nodes
+        # A step verifying k nodes, as a whole engine cycle once cycles at this
+        # batch size were seen (its drafting is spent, but its rate is the cycle's:
+        # a node is worth verifying if it raises tokens per cycle second; the
+        # startup table alone prices a verified token at under half its cost).
+        cycle = self.cycles.get(B)
+        cost = None if cycle is None else cycle.seconds_at(B + np.arange(B * m + 1))
+        if cost is None:
+            cost = self.step_cost.costs(B + np.arange(B * m + 1))
         if cost is None:
             return torch.full((B,), max_nodes, dtype=torch.long, device=dev), False
         # A few dozen candidates a request: numpy, on the host, costs a fraction

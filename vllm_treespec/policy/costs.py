@@ -165,10 +165,16 @@ class CycleFit:
     committed tokens (committed ones carry the engine's per-output work, which
     grows with acceptance, not with what is verified). None until ``min_weight``
     cycles with some spread in verified tokens were seen.
+
+    Only cycles that verified drafts count (the caller's job), and the first
+    ``warmup`` are skipped: served, the first decode steps of a fresh engine ran
+    several times slower than later ones, and an "off" stretch yields the plain
+    rate, not the speculating one levels trade against; fitted from those, the
+    rule stopped whole turns at depth 1 and the budget turned speculation off.
     """
 
-    def __init__(self, decay: float = 0.99, min_weight: float = 24.0):
-        self.decay, self.min_weight = decay, min_weight
+    def __init__(self, decay: float = 0.99, min_weight: float = 32.0, warmup: int = 32):
+        self.decay, self.min_weight, self.warmup = decay, min_weight, warmup
         self.xtx = np.zeros((3, 3))
         self.xty = np.zeros(3)
         self.weight = self.tokens = self.seconds = 0.0
@@ -177,6 +183,9 @@ class CycleFit:
 
     def add(self, verified: float, committed: float, drafting_s: float, period_s: float) -> None:
         if period_s <= 0:
+            return
+        if self.warmup > 0:
+            self.warmup -= 1
             return
         rest = max(period_s - drafting_s, 0.0)
         if self.weight >= self.min_weight:
@@ -197,6 +206,17 @@ class CycleFit:
         if self.weight < self.min_weight or self.seconds <= 0:
             return None
         return self.tokens / self.seconds
+
+    def seconds_at(self, verified: np.ndarray) -> np.ndarray | None:
+        """Predicted cycle seconds, drafting included, for each count of verified
+        tokens: the mean cycle moved by ``token_price`` a token (None while unknown)."""
+        price = self.token_price()
+        if price is None or self.rate() is None:
+            return None
+        mean_verified = self.xtx[0, 1] / self.weight
+        mean_seconds = self.seconds / self.weight
+        return np.maximum(mean_seconds + price * (np.asarray(verified, np.float64)
+                                                  - mean_verified), 1e-6)
 
     def token_price(self) -> float | None:
         """Seconds one more verified token adds to a cycle (None while unknown)."""

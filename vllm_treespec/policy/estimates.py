@@ -20,6 +20,7 @@ class BudgetEstimates:
     RATE_PER_TREE = 0.02  # acceptance estimates: weight of one verified tree
     RATE_OFF_PROBE = 0.15  # ... of a tree verified by a probe while speculation is off
     PRIOR_TREES = 4.0     # weight of an acceptance prior, in trees
+    KAPPA_PRIOR = 2.0     # weight of kappa's prior (1), in accepted drafts
     # The branching extra: each branching step moves its estimate by at most
     # this fraction (a stalled step must not price trees out), and each chain
     # step forgets this fraction of what it says beyond the chain table (see
@@ -43,7 +44,12 @@ class BudgetEstimates:
         # token adds to them (level_pays).
         self.cycles: dict[int, CycleFit] = {}
         self.kappa = 1.0                      # calibration of draft probabilities
-        self._pred, self._obs = 1e-6, 1e-6
+        # Its sums start from a prior of KAPPA_PRIOR accepted drafts as predicted:
+        # from zero, a first step that accepted none of its drafts set kappa to
+        # its floor at once, every depth looked hopeless and speculation stayed
+        # off for turns (served, a fresh engine's first step: 0 of 5 accepted).
+        self._pred = self._obs = self.KAPPA_PRIOR
+        self._draft_steps = 0
         # Acceptance of the trees drafted in tree mode, and of the greedy chain
         # (every verified tree holds a leading part of it; chain mode verifies
         # it whole): a depth is priced both ways, see plan_depth.
@@ -155,7 +161,15 @@ class BudgetEstimates:
         """A drafting step: its first pass, ``levels`` levels that forwarded
         ``nodes_forwarded`` nodes in all (batch x width, summed over levels), and
         the rest of the step's drafting work for ``batch`` requests (if given);
-        ``one_wide``: every level forwarded one node per request (a chain)."""
+        ``one_wide``: every level forwarded one node per request (a chain).
+
+        A fresh engine's first drafting step is not learned from: it pays
+        one-time work (served: 20-40 ms of "fixed work" against ~2 ms later),
+        and a drafting cost fit from one sample is that sample, which priced
+        speculation out and spaced probes hundreds of steps apart."""
+        self._draft_steps += 1
+        if self._draft_steps == 1:
+            return
         self.first_pass_cost.add(first_pass_tokens, first_pass_s)
         if batch > 0:
             self.draft_overhead.add(batch, max(overhead_s, 0.0))

@@ -68,9 +68,9 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_is_decode = False
         self._step_branching = False  # some tree of this step is not a chain
         self._step_committed = 0  # tokens the step commits (requests + accepted drafts)
-        # The last decode step's (start, requests, verified, committed, drafting s):
+        # The last verify step's (start, request ids, verified, committed, drafting s):
         # closed into an engine cycle by the next step's start (observe_cycle).
-        self._open_cycle: tuple[float, int, int, int, float] | None = None
+        self._open_cycle: tuple[float, tuple, int, int, float] | None = None
         # Cache blocks past the scheduler's, for the attention backend's per-step
         # scratch (see _CPUDevice); none unless a device reserves them.
         self.tree_spare_blocks: list[int] = []
@@ -96,8 +96,9 @@ class TreeRunnerMixin(StepCostCalibration):
             policy.observe_step(self._step_tokens,
                                 time.perf_counter() - self._step_start - drafted,
                                 branching=self._step_branching)
-            self._open_cycle = (self._step_start, self.input_batch.num_reqs,
-                                self._step_tokens, self._step_committed, drafted)
+            if self._step_tokens > self.input_batch.num_reqs:  # it verified drafts
+                self._open_cycle = (self._step_start, tuple(self.input_batch.req_ids),
+                                    self._step_tokens, self._step_committed, drafted)
         self._step_start = None
         return out
 
@@ -163,11 +164,13 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_committed = self.input_batch.num_reqs  # plus accepted drafts, if any
         cycle, self._open_cycle = self._open_cycle, None
         if (cycle is not None and self._step_is_decode and self.tree_policy is not None
-                and cycle[1] == self.input_batch.num_reqs):
-            # Decode after decode, same requests: the engine's whole cycle,
-            # scheduler and output handling included (AdaptiveBudget.level_pays).
-            start, batch, verified, committed, drafted = cycle
-            self.tree_policy.observe_cycle(batch, verified, committed, drafted,
+                and cycle[1] == tuple(self.input_batch.req_ids)):
+            # Decode after a verify step of the same requests: the engine's whole
+            # cycle, scheduler and output handling included (level_pays). Not
+            # across requests: a new turn whose prompt the prefix cache holds
+            # schedules one token, like a decode, after the engine idled.
+            start, req_ids, verified, committed, drafted = cycle
+            self.tree_policy.observe_cycle(len(req_ids), verified, committed, drafted,
                                            self._step_start - start)
         self._step_branching = False
         self._verify = None
