@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_treespec.policy import AdaptiveBudget, LinearFit, StepCostTable
-from vllm_treespec.policy.costs import CycleFit
 from vllm_treespec.policy.probes import ProbeSchedule
 from vllm_treespec.tree import Outcome
 
@@ -710,84 +709,6 @@ def test_a_step_stops_drafting_where_its_frontier_cannot_pay_for_a_level():
     assert p.level_pays(torch.tensor([[-30.0]]), 2)
     p.chain_mode, p.probing = False, True
     assert p.level_pays(torch.tensor([[-30.0]]), 2)
-
-
-def feed_cycles(p, batch, price, n=200, seed=0):
-    """Cycles whose non-drafting seconds grow by ``price`` a verified token and
-    0.3 ms a committed one, with 1 ms of noise; returns their token rate."""
-    r = random.Random(seed)
-    tokens = seconds = 0.0
-    for _ in range(n):
-        drafts = r.randint(0, 5)
-        verified = batch * (1 + drafts)
-        committed = batch * (1 + r.randint(0, drafts))
-        drafting = 0.002 * drafts
-        period = 0.030 + drafting + price * verified + 0.0003 * committed + r.gauss(0, 0.001)
-        p.observe_cycle(batch, verified, committed, drafting, period)
-        tokens, seconds = tokens + committed, seconds + period
-    return tokens / seconds
-
-
-def test_cycle_fit_learns_a_verified_tokens_price_and_the_rate():
-    fit = CycleFit()
-    fit.add(3, 2, 0.004, 0.040)
-    assert fit.rate() is None and fit.token_price() is None  # too few cycles
-    r = random.Random(1)
-    for _ in range(300):
-        n = r.randint(1, 7)
-        c = 1 + r.randint(0, n - 1)
-        fit.add(n, c, 0.002 * n, 0.020 + 0.002 * n + 0.0009 * n + 0.0003 * c + r.gauss(0, 0.001))
-    assert fit.token_price() == pytest.approx(0.0009, abs=0.00015)
-    # A cycle stalled for a second moves neither much.
-    rate, price = fit.rate(), fit.token_price()
-    fit.add(4, 2, 0.008, 1.0)
-    assert fit.rate() > 0.97 * rate and fit.token_price() == pytest.approx(price, abs=0.0002)
-    # A fresh engine's first cycles (several times slower) are not learned from.
-    slow_start, plain = CycleFit(), CycleFit()
-    for i in range(100):
-        for fit in (slow_start, plain):
-            fit.add(2 + i % 3, 2, 0.004, (0.3 if fit is slow_start and i < 32 else 0.03)
-                    + 0.001 * (i % 3))
-    assert slow_start.rate() == pytest.approx(plain.rate(), rel=0.01)
-    # Cycles that all verify as much show no price (the caller falls back).
-    flat = CycleFit()
-    for _ in range(100):
-        flat.add(4, 2, 0.006, 0.030)
-    assert flat.token_price() is None and flat.rate() == pytest.approx(2 / 0.030)
-
-
-def test_a_level_is_priced_by_live_cycles_once_seen():
-    """The step-cost table prices the next verified token at 1 ms here; live
-    cycles say 3 ms and yield fewer tokens a second than the plan: the rule
-    follows the cycles."""
-    p = drafting_policy()
-    assert p.plan_depth(1) > 0 and not p.chain_mode
-    live_rate = feed_cycles(p, 1, price=0.003)
-    assert live_rate < 0.9 * p._plan_rate
-    price = p.cycles[1].token_price()
-    assert price == pytest.approx(0.003, abs=0.0003)
-    threshold = (0.002 + price) * p.cycles[1].rate()
-    assert p.level_pays(torch.tensor([[np.log(1.03 * threshold)]]), 2)
-    assert not p.level_pays(torch.tensor([[np.log(0.97 * threshold)]]), 2)
-    # Cycles of another batch size say nothing of this one.
-    q = drafting_policy()
-    feed_cycles(q, 4, price=0.003)
-    assert q.plan_depth(1) > 0
-    old = (0.002 + q.step_cost(5) - q.step_cost(4)) * q._plan_rate
-    assert q.level_pays(torch.tensor([[np.log(1.03 * old)]]), 2)
-    assert not q.level_pays(torch.tensor([[np.log(0.97 * old)]]), 2)
-
-
-def test_selection_prices_verified_nodes_by_live_cycles_once_seen():
-    """The table says a verified token costs 1 ms in a 41 ms step: a node 6 %
-    likely pays. Cycles say 3 ms: only nodes above ~18 % do."""
-    p = drafting_policy()
-    assert p.plan_depth(1) > 0 and not p.chain_mode
-    scores = torch.log(torch.tensor([[0.9, 0.5, 0.12, 0.06]]))
-    chain = torch.ones(1, 4, dtype=torch.bool)
-    assert p.select(scores, 4, chain)[0].tolist() == [4]
-    feed_cycles(p, 1, price=0.003)
-    assert p.select(scores, 4, chain)[0].tolist() == [2]
 
 
 def test_a_batch_pays_for_a_level_with_its_requests_together():

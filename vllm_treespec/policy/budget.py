@@ -40,9 +40,8 @@ and decides every step:
   would forward is likely enough to be accepted to pay for it. Before each
   level, the expected acceptance of its forwarded nodes (sum of q, below)
   must reach what the level costs (its drafting time plus one more verified
-  token per request, priced by what it adds to a whole engine cycle) at the
-  rate the engine's cycles yield, tokens per second (``level_pays``,
-  ``CycleFit``; the table and the planned step's rate until cycles were seen). The planned depth is then a cap: a step whose chain turns
+  token per request) at the rate the planned step yields, tokens per second
+  (``level_pays``). The planned depth is then a cap: a step whose chain turns
   unsure stops early and verifies what it has, one whose chain stays sure
   reaches the cap. Traced at batch 1 (1,737 steps of a one-wide chain of 6 on
   the CPU), this rule at the same cap would have been 11 % faster than the
@@ -60,10 +59,8 @@ and decides every step:
 * **which nodes to verify**, across the whole batch: every candidate node has
   an acceptance probability estimate q = kappa * exp(cumulative draft log-prob)
   (kappa calibrates the drafter online); the best prefix of the candidates by
-  q maximises (B + sum q) / t(B + k) (``selection``; t: the whole engine cycle
-  once ``CycleFit`` has seen cycles at this batch size, the step-cost table
-  before). The same cut restricted to each request's greedy chain competes
-  with it: chains verify with a device's
+  q maximises (B + sum q) / t(B + k) (``selection``). The same cut restricted to each
+  request's greedy chain competes with it: chains verify with a device's
   causal kernel, while a step with branching trees pays a learned extra cost
   for tree attention (large on the CPU, about zero with a fused tree kernel).
 
@@ -208,10 +205,7 @@ class AdaptiveBudget(BudgetEstimates):
 
         Yes if their summed acceptance estimates (q, kappa-calibrated) reach
         what the level costs in tokens: its drafting time plus one more verified
-        token per request (what a token adds to an engine cycle, ``CycleFit``;
-        the step-cost table's slope until cycles were seen), times the rate the
-        engine's cycles at this batch size yield (the planned step's rate
-        until then). A node's children are
+        token per request, times the planned step's rate. A node's children are
         at most as likely as the node, so this is the level's best case; it
         stops only levels that cannot pay. Chain mode (verified whole, priced
         whole) and probes (which must reach their depth) never stop; without
@@ -221,25 +215,15 @@ class AdaptiveBudget(BudgetEstimates):
             return True
         B, F = frontier_scores.shape
         level = self.chain_level_cost(B) if F == 1 else self.level_cost(B * F)
-        cycle = self.cycles.get(B)
-        price = None if cycle is None else cycle.token_price()
-        if price is not None:  # what a verified token adds to a whole cycle, live
-            tokens = B * price
-        else:
-            # Verified tokens a request so far: the root and a draft per depth
-            # drafted (the first pass's and one per level); the next level adds one.
-            now_n = B * (2 + levels_done)
-            more, now = self.step_cost(now_n + B), self.step_cost(now_n)
-            tokens = None if more is None or now is None else max(more - now, 0.0)
-        if level is None or tokens is None:
+        # Verified tokens a request so far: the root and a draft per depth drafted
+        # (the first pass's and one per level); the next level adds one.
+        now_n = B * (2 + levels_done)
+        more, now = self.step_cost(now_n + B), self.step_cost(now_n)
+        if level is None or more is None or now is None:
             return True
-        # The rate cycles at this batch size really yield, once seen (CycleFit:
-        # the long-run rate is the one to beat); the planned step's until then.
-        live = None if cycle is None else cycle.rate()
-        rate = rate if live is None else live
         # A few numbers: plain Python costs less than torch ops on them.
         gain = sum(min(self.kappa * math.exp(s), 1.0) for s in frontier_scores.flatten().tolist())
-        return gain >= (level + tokens) * rate
+        return gain >= (level + max(more - now, 0.0)) * rate
 
     def probe_cost_gap(self, batch: int) -> int:
         """Fewest steps between probes while off such that a probe's extra cost
@@ -271,14 +255,7 @@ class AdaptiveBudget(BudgetEstimates):
             depth = min(self.last_depth, max_nodes)
             return torch.full((B,), depth, dtype=torch.long, device=dev), True
         m = min(max_nodes, scores.shape[1])
-        # A step verifying k nodes, as a whole engine cycle once cycles at this
-        # batch size were seen (its drafting is spent, but its rate is the cycle's:
-        # a node is worth verifying if it raises tokens per cycle second; the
-        # startup table alone prices a verified token at under half its cost).
-        cycle = self.cycles.get(B)
-        cost = None if cycle is None else cycle.seconds_at(B + np.arange(B * m + 1))
-        if cost is None:
-            cost = self.step_cost.costs(B + np.arange(B * m + 1))
+        cost = self.step_cost.costs(B + np.arange(B * m + 1))  # a step verifying k nodes
         if cost is None:
             return torch.full((B,), max_nodes, dtype=torch.long, device=dev), False
         # A few dozen candidates a request: numpy, on the host, costs a fraction

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from vllm_treespec.policy.acceptance import ConditionalAcceptance
-from vllm_treespec.policy.costs import CycleFit, LinearFit, StepCostTable
+from vllm_treespec.policy.costs import LinearFit, StepCostTable
 from vllm_treespec.tree.accept import Outcome
 
 
@@ -40,14 +40,10 @@ class BudgetEstimates:
         # planning, the roots' draft log-probs and top-k, the selection, the
         # hand-over. Fixed per step, so a depth-1 step (no level) pays it too.
         self.draft_overhead = LinearFit()
-        # Whole engine cycles by batch size: their token rate and what a verified
-        # token adds to them (level_pays).
-        self.cycles: dict[int, CycleFit] = {}
         self.kappa = 1.0                      # calibration of draft probabilities
         # Its sums start from a prior of KAPPA_PRIOR accepted drafts as predicted:
         # from zero, a first step that accepted none of its drafts set kappa to
-        # its floor at once, every depth looked hopeless and speculation stayed
-        # off for turns (served, a fresh engine's first step: 0 of 5 accepted).
+        # its floor at once (served, a fresh engine's first step: 0 of 5 accepted).
         self._pred = self._obs = self.KAPPA_PRIOR
         self._draft_steps = 0
         # Acceptance of the trees drafted in tree mode, and of the greedy chain
@@ -145,16 +141,6 @@ class BudgetEstimates:
             if chain is not None:
                 self.branch_cost = self._branching_steps[1] - chain
 
-    def observe_cycle(self, batch: int, verified: int, committed: int, drafting_s: float,
-                      period_s: float) -> None:
-        """One engine cycle of ``batch`` decoding requests, from a verify step's
-        start to the next one's: ``verified`` tokens verified, ``committed``
-        tokens committed, ``drafting_s`` of it spent drafting."""
-        fit = self.cycles.get(batch)
-        if fit is None:
-            fit = self.cycles[batch] = CycleFit()
-        fit.add(verified, committed, drafting_s, period_s)
-
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
                       nodes_forwarded: int, levels_s: float, batch: int = 0,
                       overhead_s: float = 0.0, one_wide: bool = False) -> None:
@@ -165,8 +151,9 @@ class BudgetEstimates:
 
         A fresh engine's first drafting step is not learned from: it pays
         one-time work (served: 20-40 ms of "fixed work" against ~2 ms later),
-        and a drafting cost fit from one sample is that sample, which priced
-        speculation out and spaced probes hundreds of steps apart."""
+        and a drafting cost fit from one sample is that sample: with kappa at
+        its floor, it priced speculation out and spaced the probes that could
+        correct it hundreds of steps apart."""
         self._draft_steps += 1
         if self._draft_steps == 1:
             return

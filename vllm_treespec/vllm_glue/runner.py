@@ -67,10 +67,6 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_tokens = 0
         self._step_is_decode = False
         self._step_branching = False  # some tree of this step is not a chain
-        self._step_committed = 0  # tokens the step commits (requests + accepted drafts)
-        # The last verify step's (start, request ids, verified, committed, drafting s):
-        # closed into an engine cycle by the next step's start (observe_cycle).
-        self._open_cycle: tuple[float, tuple, int, int, float] | None = None
         # Cache blocks past the scheduler's, for the attention backend's per-step
         # scratch (see _CPUDevice); none unless a device reserves them.
         self.tree_spare_blocks: list[int] = []
@@ -96,9 +92,6 @@ class TreeRunnerMixin(StepCostCalibration):
             policy.observe_step(self._step_tokens,
                                 time.perf_counter() - self._step_start - drafted,
                                 branching=self._step_branching)
-            if self._step_tokens > self.input_batch.num_reqs:  # it verified drafts
-                self._open_cycle = (self._step_start, tuple(self.input_batch.req_ids),
-                                    self._step_tokens, self._step_committed, drafted)
         self._step_start = None
         return out
 
@@ -161,17 +154,6 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_is_decode = bool(np.all(num_scheduled_tokens == 1 + num_drafts))
         self._step_tokens = int(num_scheduled_tokens.sum())
         self._step_start = time.perf_counter()
-        self._step_committed = self.input_batch.num_reqs  # plus accepted drafts, if any
-        cycle, self._open_cycle = self._open_cycle, None
-        if (cycle is not None and self._step_is_decode and self.tree_policy is not None
-                and cycle[1] == tuple(self.input_batch.req_ids)):
-            # Decode after a verify step of the same requests: the engine's whole
-            # cycle, scheduler and output handling included (level_pays). Not
-            # across requests: a new turn whose prompt the prefix cache holds
-            # schedules one token, like a decode, after the engine idled.
-            start, req_ids, verified, committed, drafted = cycle
-            self.tree_policy.observe_cycle(len(req_ids), verified, committed, drafted,
-                                           self._step_start - start)
         self._step_branching = False
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
@@ -374,7 +356,6 @@ class TreeRunnerMixin(StepCostCalibration):
         t1 = time.perf_counter()
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
-        self._step_committed += sum(outcome.accepted)
         if self.tree_policy is not None:
             self.tree_policy.observe_acceptance(outcome, step.depth, step.predicted)
         req_ids = (None if self.tree_metrics.trace is None else
