@@ -190,8 +190,7 @@ class TreeRunnerMixin(StepCostCalibration):
                           prefix_len=torch.from_numpy(prefix).to(dev),
                           token_start=torch.from_numpy(token_start).to(dev),
                           logit_start=torch.from_numpy(logit_start).to(dev),
-                          num_reqs=num_reqs, predicted=float(sum(sum(e[3]) for e in entries)),
-                          draft_probs=[e[3] for e in entries],
+                          num_reqs=num_reqs, draft_probs=[e[3] for e in entries],
                           depth=getattr(self.drafter, "last_depth", tree.max_depth))
         if not tree.is_chain:  # a chain's depths are its linear positions already
             # Depth-based rotary positions; the slot mapping above stays linear.

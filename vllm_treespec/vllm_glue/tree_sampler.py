@@ -82,12 +82,17 @@ class VerifyStep:
     token_start: torch.Tensor    # [Bt] flat query index of each root
     logit_start: torch.Tensor    # [Bt] logits row of each root
     num_reqs: int
-    predicted: float = 0.0       # sum of draft probabilities of the verified nodes
-    draft_probs: list[list[float]] | None = None  # per tree, per draft node (traces)
+    # Per tree, per draft node: its draft probability (the product along its path).
+    draft_probs: list[list[float]] | None = None
     depth: int = 0               # drafting depth that produced these trees
     prepare_s: float = 0.0       # tensorize + positions + attention metadata
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
+
+    @property
+    def predicted(self) -> float:
+        """Drafts the proposer expects accepted: the verified nodes' probabilities, summed."""
+        return float(sum(sum(p) for p in self.draft_probs or ()))
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
