@@ -145,10 +145,10 @@ def _enable_frontend_metrics() -> None:
     import shutil
     import tempfile
 
-    from vllm_treespec.observability import STATS_ENV
+    from vllm_treespec.observability import STATS_ENV, memory_backed_dir
 
     if not os.environ.get(STATS_ENV):
-        directory = tempfile.mkdtemp(prefix="vllm-treespec-stats-")
+        directory = tempfile.mkdtemp(prefix="vllm-treespec-stats-", dir=memory_backed_dir())
         os.environ[STATS_ENV] = directory
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
 
