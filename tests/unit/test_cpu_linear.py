@@ -102,12 +102,17 @@ def test_uninstall_gives_the_stock_kernel_back(layers):
     assert cpu_linear.uninstall([model]) == 0
 
 
-def test_layer_timer_times_the_current_choice(layers):
+def test_layer_timer_times_each_side_as_a_compiled_graph_would_run_it(layers):
+    """W @ x^T through the dispatcher; the stock kernel as the direct op, so that
+    the dispatcher's own cost counts against keeping it."""
     model, _, _ = layers
     calls = []
     original = model.b.cpu_linear
     model.b.cpu_linear = lambda x, w, b: calls.append(tuple(x.shape)) or original(x, w, b)
     time_step = cpu_linear.layer_timer([model], torch.float32)
+    assert time_step(3) > 0 and calls == []  # stock: the oneDNN op, no dispatcher
+    cpu_linear.use_rows([3])
     assert time_step(3) > 0 and calls == [(3, 96)]
+    cpu_linear.use_rows([])
     chosen, timings = cpu_linear.calibrate(time_step, range(2, 4), repeats=1, margin=10.0)
     assert chosen == [] and set(timings) == {2, 3}  # a margin nothing can beat

@@ -136,7 +136,14 @@ def uninstall(models: Iterable[torch.nn.Module]) -> int:
 def layer_timer(models: Iterable[torch.nn.Module], dtype: torch.dtype
                 ) -> Callable[[int], float]:
     """``time_step(n)`` for ``calibrate``: seconds of every dispatched layer of
-    ``models`` applied once to an n-row input (eager, no model around them)."""
+    ``models`` applied once to an n-row input (eager, no model around them), each
+    as a compiled graph would run it if this were the only choice: through the
+    dispatcher where n takes ``W @ x^T``, else the stock oneDNN op called
+    directly. So ``W @ x^T`` must win by more than the dispatcher's own cost, which
+    every forward pays once it stays (measured 2026-11-28: ~8 us a call over the
+    direct op, ~1 ms a target forward of 21-30 ms; timed through the dispatcher
+    on both sides, the choice had kept it in most server starts on the AVX-512
+    machine, where the compiled forwards then chose no row count)."""
     layers = [m for model in models for m in model.modules() if hasattr(m, "small_m_key")]
     gen = torch.Generator().manual_seed(0)
     inputs: dict[int, list[torch.Tensor]] = {}
@@ -145,9 +152,14 @@ def layer_timer(models: Iterable[torch.nn.Module], dtype: torch.dtype
         if n not in inputs:
             inputs[n] = [torch.randn(n, _LAYERS[m.small_m_key][0].shape[1], generator=gen,
                                      dtype=dtype) for m in layers]
+        direct = n not in _ROWS
         t0 = time.perf_counter()
         for m, x in zip(layers, inputs[n]):
-            m.cpu_linear(x, None, None)
+            if direct:
+                weight, _, handler = _LAYERS[m.small_m_key]
+                torch.ops._C.onednn_mm(x.new_empty(n, weight.shape[0]), x, None, handler)
+            else:
+                m.cpu_linear(x, None, None)
         return time.perf_counter() - t0
     return time_step
 
