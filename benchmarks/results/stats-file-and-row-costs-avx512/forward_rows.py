@@ -4,8 +4,9 @@
 
 One ``eagle3_tree`` engine; its runner's own ``_time_forward`` (the startup
 sweep's timer, drafter excluded) for 1..16 rows, five rounds in one order, best
-of 2 each; prints min and median per row count, with the linear-layer choice the
-engine made at startup (its log line).
+of 2 each, with oneDNN for every row count (the engine's own choice of
+``W @ x^T`` for some row counts, in its startup log line, is set aside for the
+sweep); prints min and median per row count.
 """
 import os
 import sys
@@ -16,11 +17,18 @@ os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
 
 def sweep(worker, rounds=5, sizes=range(1, 17)):
+    from vllm_treespec.vllm_glue import cpu_linear
+
     runner = worker.model_runner
+    chosen = sorted(cpu_linear._ROWS)
+    cpu_linear.use_rows([])
     res = {}
-    for _ in range(rounds):
-        for n in sizes:
-            res.setdefault(n, []).append(runner._time_forward(n, 2))
+    try:
+        for _ in range(rounds):
+            for n in sizes:
+                res.setdefault(n, []).append(runner._time_forward(n, 2))
+    finally:
+        cpu_linear.use_rows(chosen)
     return {n: sorted(v) for n, v in res.items()}
 
 
