@@ -142,8 +142,8 @@ def layer_timer(models: Iterable[torch.nn.Module], dtype: torch.dtype
     directly. So ``W @ x^T`` must win by more than the dispatcher's own cost, which
     every forward pays once it stays (measured 2026-11-28: ~8 us a call over the
     direct op, ~1 ms a target forward of 21-30 ms; timed through the dispatcher
-    on both sides, the choice had kept it in most server starts on the AVX-512
-    machine, where the compiled forwards then chose no row count)."""
+    on both sides, it had been kept in 3 of 6 server starts logged that day on
+    an AVX-512 machine whose compiled forwards then chose no row count)."""
     layers = [m for model in models for m in model.modules() if hasattr(m, "small_m_key")]
     gen = torch.Generator().manual_seed(0)
     inputs: dict[int, list[torch.Tensor]] = {}
