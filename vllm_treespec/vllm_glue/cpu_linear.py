@@ -17,7 +17,9 @@ calibration (``calibrate``) measured it faster, the stock oneDNN kernel
 otherwise. Where vLLM dropped a layer's weights after packing them, they are
 recovered exactly from the oneDNN handler (a product with the identity): a
 second copy of those weights in memory;
-``VLLM_TREESPEC_CPU_SMALL_M_LINEAR=0`` turns this off.
+``VLLM_TREESPEC_CPU_SMALL_M_LINEAR=0`` turns this off, ``=keep`` keeps the
+dispatchers whatever the startup timings say (the deepest call tree a step can
+have, for tests and kernel comparisons).
 
 Where oneDNN's few-row kernel is already fast (measured 2026-11-24 on a 2-core
 AMD EPYC with AVX-512: a forward over 2 tokens 11.9 ms with oneDNN, 15.7 ms with
@@ -48,6 +50,10 @@ _LAYERS: list[tuple[torch.Tensor, Callable, torch.Tensor | None]] = []
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
+
+
+def kept_whatever_the_timings() -> bool:
+    return os.environ.get(ENV) == "keep"
 
 
 # The op runs in every linear layer of every forward, whatever its row count,

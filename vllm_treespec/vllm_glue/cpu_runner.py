@@ -92,7 +92,7 @@ class _CPUDevice:
                 return
             # Before compilation: a dispatcher that never picks W @ x^T only costs.
             rows, timings = cpu_linear.calibrate(cpu_linear.layer_timer(models, dtype))
-            if not rows:
+            if not rows and not cpu_linear.kept_whatever_the_timings():
                 cpu_linear.uninstall(models)
                 self._small_m_layers = 0
                 logger.info("eagle3_tree: linear layers keep oneDNN's kernels (faster here "
