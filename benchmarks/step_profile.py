@@ -5,7 +5,8 @@
 Each method runs alone in a fresh process (engine core and worker in the same
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
 one warm-up prompt, then ``--prompts`` chat-formatted pangu240 first turns,
-greedy, ``--max-tokens`` each, one at a time. Written per method:
+greedy unless ``--temperature`` (and ``--top-p``), ``--max-tokens`` each, one at
+a time (sampled runs seed each prompt, so methods meet the same requests). Written per method:
 ``LABEL.pstats`` (the method's label as ``vllm-treespec bench`` names its files;
 open with ``python -m pstats``) and, in ``step_profile.json``, the wall time and
 milliseconds per engine step of the runner's forward, sampling, drafting, the
@@ -34,6 +35,8 @@ PARTS = {
     ("gpu_model_runner.py", "propose_draft_token_ids"): "propose",
     ("llama_eagle3.py", "forward"): "drafter_forward",
     ("proposer.py", "_draft_vocab_logprobs"): "draft_logprobs",
+    ("tree_sampler.py", "sample_with_trees"): "tree_sampling",
+    ("tree_sampler.py", "node_probs"): "tree_node_probs",
     ("cpu_attention.py", "_verify_chains"): "tree_verify_chains",
     ("~", "<built-in method torch._ops._C.cpu_attention_with_kv_cache>"): "attention_kernel",
 }
@@ -55,7 +58,8 @@ def summarize(stats_path: Path) -> dict:
     return row
 
 
-def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path) -> dict:
+def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
+                temperature: float = 0.0, top_p: float | None = None) -> dict:
     import cProfile
     import time
 
@@ -72,13 +76,18 @@ def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path) ->
 
     llm = batch1_engine(method)
     texts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(prompts + 1))
-    greedy = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    llm.generate(texts[:1], greedy, use_tqdm=False)  # warm-up
+    def params(seed: int) -> SamplingParams:
+        sampled = {"seed": seed, "top_p": top_p} if temperature > 0 and top_p else \
+            {"seed": seed} if temperature > 0 else {}
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                              **sampled)
+
+    llm.generate(texts[:1], params(0), use_tqdm=False)  # warm-up
     profiler = cProfile.Profile()
     tokens, t0 = 0, time.perf_counter()
     profiler.enable()
-    for text in texts[1:]:
-        tokens += len(llm.generate([text], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    for i, text in enumerate(texts[1:], 1):
+        tokens += len(llm.generate([text], params(i), use_tqdm=False)[0].outputs[0].token_ids)
     profiler.disable()
     seconds = time.perf_counter() - t0
     profiler.dump_stats(str(stats_path))
@@ -92,6 +101,8 @@ def main(argv=None) -> int:
                    help="as in `vllm-treespec bench`")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--out", required=True)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one method
     args = p.parse_args(argv)
@@ -103,14 +114,17 @@ def main(argv=None) -> int:
 
     if args.one is not None:
         row = profile_one(args.one, args.prompts, args.max_tokens,
-                          out / f"{slug(args.one)}.pstats")
+                          out / f"{slug(args.one)}.pstats", args.temperature, args.top_p)
         print("STEP_PROFILE " + json.dumps(row), flush=True)
         return 0
-    result = {"prompts": args.prompts, "max_tokens": args.max_tokens, "methods": {}}
+    result = {"prompts": args.prompts, "max_tokens": args.max_tokens,
+              "temperature": args.temperature, "top_p": args.top_p, "methods": {}}
+    sampling = ["--temperature", str(args.temperature)] + \
+        (["--top-p", str(args.top_p)] if args.top_p is not None else [])
     for method in split_methods(args.methods):
         proc = subprocess.run([sys.executable, __file__, "--one", method, "--out", str(out),
                                "--prompts", str(args.prompts),
-                               "--max-tokens", str(args.max_tokens)],
+                               "--max-tokens", str(args.max_tokens), *sampling],
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)
         if proc.returncode != 0 or line is None:

@@ -101,9 +101,9 @@ def _counting_node_probs(monkeypatch):
 
     asked = []
 
-    def counting(processed, step, md, rows, nodes):
+    def counting(processed, step, md, rows, nodes, **kwargs):
         asked.extend(zip(rows.tolist(), nodes.tolist()))
-        return node_probs(processed, step, md, rows, nodes)
+        return node_probs(processed, step, md, rows, nodes, **kwargs)
 
     monkeypatch.setattr(tree_sampler, "node_probs", counting)
     return asked
@@ -141,7 +141,7 @@ def test_a_seeded_tree_asks_only_for_its_path_and_accepts_as_every_node_sampled(
     assert sorted(asked_0) == sorted(set(acc.path[0].tolist()))
     # Every node of tree 0 sampled with the same positional noise: same tokens.
     processed = processed_node_logits(logits, step, md)
-    table = node_table(lambda r, n: node_probs(processed, step, md, r, n),
+    table = node_table(lambda r, n: node_probs(processed, step, md, r, n, as_vllm=True),
                        torch.tensor([0]), step.tree.tree_size)
     noise = _position_noise(1234, 11, int(step.tree.depth[0].max()) + 1, V, torch.device("cpu"))
     every = greedy_accept(step.tree.take(torch.tensor([0])),

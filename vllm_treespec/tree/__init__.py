@@ -14,6 +14,7 @@ from vllm_treespec.tree.accept import (
 )
 from vllm_treespec.tree.build import DynamicTreeBuilder, Level
 from vllm_treespec.tree.mask import tree_mask
+from vllm_treespec.tree.nucleus import sample_rows, top_k_top_p_probs
 from vllm_treespec.tree.static import StaticTopology, StaticTreeBuilder
 from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
 
@@ -21,5 +22,6 @@ __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level", "Outcome",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
     "apply_compaction", "compaction_plan", "greedy_accept", "position_samples",
-    "position_samples_on_path", "stochastic_accept", "tree_mask",
+    "position_samples_on_path", "sample_rows", "stochastic_accept", "top_k_top_p_probs",
+    "tree_mask",
 ]
