@@ -6,7 +6,9 @@ Each method runs alone in a fresh process (engine core and worker in the same
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
 one warm-up prompt, then ``--prompts`` chat-formatted pangu240 first turns,
 greedy unless ``--temperature`` (and ``--top-p``), ``--max-tokens`` each, one at
-a time (sampled runs seed each prompt, so methods meet the same requests). Written per method:
+a time (sampled runs seed each prompt, so methods meet the same requests; with
+``--unseeded`` they do not, as a served benchmark's requests: seeded tree requests
+take another sampling path, vLLM's own top-p and per-position noise). Written per method:
 ``LABEL.pstats`` (the method's label as ``vllm-treespec bench`` names its files;
 open with ``python -m pstats``) and, in ``step_profile.json``, the wall time and
 milliseconds per engine step of the runner's forward, sampling, drafting, the
@@ -36,7 +38,9 @@ PARTS = {
     ("llama_eagle3.py", "forward"): "drafter_forward",
     ("proposer.py", "_draft_vocab_logprobs"): "draft_logprobs",
     ("tree_sampler.py", "sample_with_trees"): "tree_sampling",
+    ("tree_sampler.py", "processed_node_logits"): "tree_processed_logits",
     ("tree_sampler.py", "node_probs"): "tree_node_probs",
+    ("accept.py", "stochastic_accept"): "tree_stochastic_accept",
     ("cpu_attention.py", "_verify_chains"): "tree_verify_chains",
     ("~", "<built-in method torch._ops._C.cpu_attention_with_kv_cache>"): "attention_kernel",
 }
@@ -59,7 +63,8 @@ def summarize(stats_path: Path) -> dict:
 
 
 def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
-                temperature: float = 0.0, top_p: float | None = None) -> dict:
+                temperature: float = 0.0, top_p: float | None = None,
+                seeded: bool = True) -> dict:
     import cProfile
     import time
 
@@ -77,10 +82,9 @@ def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
     llm = batch1_engine(method)
     texts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(prompts + 1))
     def params(seed: int) -> SamplingParams:
-        sampled = {"seed": seed, "top_p": top_p} if temperature > 0 and top_p else \
-            {"seed": seed} if temperature > 0 else {}
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
-                              **sampled)
+                              top_p=top_p or 1.0,  # 1.0: vLLM's default, top-p off
+                              seed=seed if temperature > 0 and seeded else None)
 
     llm.generate(texts[:1], params(0), use_tqdm=False)  # warm-up
     profiler = cProfile.Profile()
@@ -103,6 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--unseeded", action="store_true",
+                   help="sampled requests without a seed (as served benchmarks send them)")
     p.add_argument("--out", required=True)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one method
     args = p.parse_args(argv)
@@ -114,13 +120,16 @@ def main(argv=None) -> int:
 
     if args.one is not None:
         row = profile_one(args.one, args.prompts, args.max_tokens,
-                          out / f"{slug(args.one)}.pstats", args.temperature, args.top_p)
+                          out / f"{slug(args.one)}.pstats", args.temperature, args.top_p,
+                          seeded=not args.unseeded)
         print("STEP_PROFILE " + json.dumps(row), flush=True)
         return 0
     result = {"prompts": args.prompts, "max_tokens": args.max_tokens,
-              "temperature": args.temperature, "top_p": args.top_p, "methods": {}}
+              "temperature": args.temperature, "top_p": args.top_p,
+              "seeded": args.temperature > 0 and not args.unseeded, "methods": {}}
     sampling = ["--temperature", str(args.temperature)] + \
-        (["--top-p", str(args.top_p)] if args.top_p is not None else [])
+        (["--top-p", str(args.top_p)] if args.top_p is not None else []) + \
+        (["--unseeded"] if args.unseeded else [])
     for method in split_methods(args.methods):
         proc = subprocess.run([sys.executable, __file__, "--one", method, "--out", str(out),
                                "--prompts", str(args.prompts),
