@@ -12,6 +12,10 @@ proxy per CPU-minute.
 
     python benchmarks/drafter_allocation.py --prompts 600 --steps 150 --out DIR
 
+Each variant warms its learning rate up over a tenth of its steps (the
+trainer's default, 200 steps, is sized for full runs: a 60-step variant would
+never leave the warm-up, and its proxy would rank nothing).
+
 Resumable: a variant whose ``progress.json`` holds a finished run is not
 trained again, and the data stage continues where it stopped.
 """
@@ -97,7 +101,8 @@ def main(argv=None) -> int:
         if not done:
             train_drafter("--target", target, "--out", str(run / "head"), "--work", str(run),
                           "--stages", "vocab,train", "--draft-vocab", str(v["draft_vocab"]),
-                          "--steps", str(steps), "--eval-every", str(max(1, steps // 3)),
+                          "--steps", str(steps), "--warmup", str(max(1, steps // 10)),
+                          "--eval-every", str(max(1, steps // 3)),
                           "--save-every", str(max(1, steps // 3)),
                           "--tokens-per-batch", str(args.tokens_per_batch),
                           "--threads-train", "2")
