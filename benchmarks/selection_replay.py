@@ -140,12 +140,13 @@ def replay(steps: list[Step], budgets: list[int]) -> dict:
     folds = [[s for s in steps if order[s.request] % 2 == f] for f in (0, 1)]
     rules = {"eagle2": lambda s, i: s.cond[i]}
     rules.update({f"depth x {g}": (lambda s, i, g=g: s.cond[i] * g) for g in DEPTH_FACTORS})
+    fitted = [fit(folds[1]), fit(folds[0])]  # each fold scored by the other's table
     out = {}
     for m in budgets:
         row = {}
         for name, rule in rules.items():
             row[name] = sum(1 + accepted(s, select(s, m, rule)) for s in steps)
-        row["calibrated"] = sum(1 + accepted(s, select(s, m, fit(folds[1 - f])))
+        row["calibrated"] = sum(1 + accepted(s, select(s, m, fitted[f]))
                                 for f in (0, 1) for s in folds[f])
         out[m] = {k: round(v / len(steps), 3) for k, v in row.items()}
     return out
