@@ -44,7 +44,7 @@ DEPTH_FACTORS = (0.7, 0.85, 1.2, 1.5)
 
 class Step:
     """One request's tree in one verify step: per node (1..n) its parent,
-    depth, conditional draft probability and whether it was right."""
+    children, depth, conditional draft probability and whether it was right."""
 
     def __init__(self, req: dict):
         parents, q = req["parents"], [1.0] + list(req["draft_probs"])
@@ -52,8 +52,10 @@ class Step:
         self.parent = parents
         self.depth = [0] * (n + 1)
         self.cond = [1.0] * (n + 1)
+        self.children: dict[int, list[int]] = defaultdict(list)
         for i in range(1, n + 1):
             p = parents[i]
+            self.children[p].append(i)
             self.depth[i] = self.depth[p] + 1
             self.cond[i] = min(1.0, q[i] / q[p]) if q[p] > 0 else 0.0
         self.right = set(req["path"])
@@ -78,14 +80,11 @@ def select(step: Step, m: int, conditional) -> set[int]:
     """The m nodes of highest path score (product of ``conditional``), closed
     under ancestors: best first among the children of what is chosen (the top m
     when scores fall along paths; ties go shallow)."""
-    children = defaultdict(list)
-    for i in step.nodes():
-        children[step.parent[i]].append(i)
     score = {0: 1.0}
     heap: list[tuple[float, int, int]] = []
 
     def push(parent: int) -> None:
-        for i in children[parent]:
+        for i in step.children[parent]:
             score[i] = score[parent] * conditional(step, i)
             heapq.heappush(heap, (-score[i], step.depth[i], i))
 
@@ -101,14 +100,11 @@ def select(step: Step, m: int, conditional) -> set[int]:
 def chain_whole(step: Step, m: int) -> bool:
     """Whether the pool holds the drafter's greedy chain (top-1 child at each
     level) to depth m."""
-    children = defaultdict(list)
-    for i in step.nodes():
-        children[step.parent[i]].append(i)
     node = 0
     for _ in range(m):
-        if not children[node]:
+        if not step.children[node]:
             return False
-        node = max(children[node], key=lambda i: step.cond[i])
+        node = max(step.children[node], key=lambda i: step.cond[i])
     return True
 
 
