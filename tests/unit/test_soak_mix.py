@@ -82,25 +82,53 @@ def test_the_plain_servers_copy_of_the_mix_has_no_seeds_and_nothing_else_changes
     assert all("seed" in r.body for r in seeded)  # the tree servers' mix is untouched
 
 
-def _run(name, rss_warm, rss_loaded, preemptions=3.0):
+def _run(name, rss_warm, *rss_passes, preemptions=3.0):
     from vllm_treespec.bench.soak import ServerRun
 
     metrics = {"vllm:num_preemptions_total": preemptions}
-    # rss_end (after the quiet subset, and plain's second pass) is reported, not judged
-    return ServerRun(name, [], [], [[], []] if name == "plain" else [[]], [1.0, 1.0], rss_warm,
-                     rss_loaded, rss_end=10 * rss_loaded, healthy_end=True, metrics=metrics,
-                     dumps=0, injected_dumps=0)
+    # rss_end (after the quiet subset) is reported, not judged
+    return ServerRun(name, [], [], [[] for _ in rss_passes], [1.0] * len(rss_passes), rss_warm,
+                     list(rss_passes), rss_end=10 * rss_passes[-1], healthy_end=True,
+                     metrics=metrics, dumps=0, injected_dumps=0)
+
+
+def _memory_violations(plain_growth, tree_growth):
+    from vllm_treespec.bench.soak import check
+
+    runs = {"plain": _run("plain", 1000, *(int(1000 * g) for g in plain_growth)),
+            "adaptive": _run("adaptive", 1000, *(int(1000 * g) for g in tree_growth))}
+    return [v for v in check(runs, [])[1] if "resident memory" in v]
 
 
 def test_memory_is_judged_against_plain_vllms_own_growth():
-    from vllm_treespec.bench.soak import check
+    assert _memory_violations((1.15, 1.2), (1.18,)) == []   # plain vLLM grows as much
+    assert _memory_violations((1.0, 1.0), (1.09,)) == []    # within 10 %
+    assert _memory_violations((1.0, 1.0), (1.12,))
+    assert _memory_violations((1.15, 1.2), (1.30,))
+    assert _memory_violations((1.5, 1.6), (1.0,)) == []     # plain itself is not judged
 
-    def memory_violations(plain_growth, tree_growth):
-        runs = {"plain": _run("plain", 1000, int(1000 * plain_growth)),
-                "adaptive": _run("adaptive", 1000, int(1000 * tree_growth))}
-        return [v for v in check(runs, [])[1] if "resident memory" in v]
 
-    assert memory_violations(1.15, 1.18) == []        # plain vLLM grows as much
-    assert memory_violations(1.0, 1.09) == []         # within 10 %
-    assert memory_violations(1.0, 1.12) and memory_violations(1.15, 1.30)
-    assert memory_violations(1.5, 1.0) == []          # plain itself is not judged
+def test_a_second_pass_tells_a_leak_from_a_larger_working_set():
+    """Both servers' growth is judged after every pass both ran: a tree server that
+    steps up once and then grows like plain passes, one that keeps growing faster
+    than plain fails at the pass where it outgrows plain's growth + 10 %."""
+    plain = (1.10, 1.15)
+    assert _memory_violations(plain, (1.18, 1.23)) == []            # working set: +8 then flat
+    leak = _memory_violations(plain, (1.18, 1.28))                  # +8, then +5 more a pass
+    assert len(leak) == 1 and "load pass 2" in leak[0] and "1.25x" in leak[0]
+    assert _memory_violations(plain, (1.22, 1.24))[0].count("load pass 1") == 1
+
+
+def test_markdown_shows_the_growth_after_each_pass():
+    import argparse
+
+    from vllm_treespec.bench.soak import check, markdown
+
+    runs = {"plain": _run("plain", 1000, 1100, 1150), "fixed": _run("fixed", 1000, 1180, 1230)}
+    summary, violations = check(runs, [])
+    for s in summary.values():
+        s["load"] = [{"tok_s": 1.0, "ttft_ms": {"p50": 1, "p99": 2},
+                      "tpot_ms": {"p50": 1, "p99": 2}}]
+    args = argparse.Namespace(requests=1, concurrency=1, kv_tokens=1, seed=0)
+    md = markdown(summary, violations, args)
+    assert "| 1.18 / 1.23 (<= 1.2 / 1.25) |" in md and "| 1.1 / 1.15 |" in md

