@@ -1,4 +1,4 @@
-"""Traces, run manifests, failure dumps, and the stats hand-off to the frontend.
+"""Traces, run manifests and failure dumps.
 
 * ``trace_dir`` (tree setting, or ``$VLLM_TREESPEC_TRACE_DIR``): the worker writes
   ``manifest.json`` (versions, model, drafter, settings) once and
@@ -8,9 +8,6 @@
 * When an invariant check fails (``validate_invariants``), the failing batch is
   dumped to ``treespec-failure-<time>.json`` (in ``trace_dir`` or the temp dir)
   and the step continues safely (see the runner / proposer).
-* Cumulative counters are written atomically to one file per engine in
-  ``$VLLM_TREESPEC_STATS_DIR`` (``stats_path``) so the API server can export
-  them on ``/metrics`` and in its periodic log.
 
 No vLLM import here.
 """
@@ -31,29 +28,7 @@ from typing import Any, Callable
 logger = logging.getLogger("vllm.treespec")
 
 TRACE_ENV = "VLLM_TREESPEC_TRACE_DIR"
-STATS_ENV = "VLLM_TREESPEC_STATS_DIR"
 INVALID_TREE_ENV = "VLLM_TREESPEC_TEST_INVALID_TREE_EVERY"
-
-
-def stats_path(engine_index: int) -> str | None:
-    """The stats file of one engine (data-parallel rank), or None without a
-    frontend that reads it."""
-    directory = os.environ.get(STATS_ENV)
-    return str(Path(directory) / f"engine-{engine_index}.json") if directory else None
-
-
-def memory_backed_dir() -> str | None:
-    """A RAM-backed directory for the stats hand-off (``/dev/shm``), or None (the
-    default temp dir) where there is none.
-
-    A worker replaces its stats file up to four times a second from inside a
-    step. On a disk-backed ``/tmp`` (ext4 on the 2-core machines measured,
-    2026-11-28) a rename under an engine's load waited on the journal: 9.5 ms a
-    write on average, 2.4 ms a step (cProfile of a batch-1 engine,
-    ``benchmarks/step_profile.py``); on tmpfs a write takes ~0.02 ms. Unprofiled,
-    the same engine decoded 1.3 % faster with the file here (RESULTS.md)."""
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK) else None
 
 
 def _versions() -> dict[str, str]:
@@ -172,48 +147,3 @@ def dump_failure(error: Exception, payload: dict[str, Any], directory: str | Non
     logger.error("eagle3_tree: %s — batch dumped to %s; continuing without this tree",
                  error, path)
     return path
-
-
-class StatsFile:
-    """Throttled atomic writes of cumulative counters for the frontend (at most
-    four a second while steps run; the runner forces a last write when its
-    batch drains, so an idle engine's figures are final)."""
-
-    def __init__(self, path: str | None, min_interval_s: float = 0.25):
-        self.path = Path(path) if path else None
-        self.min_interval_s = min_interval_s
-        self._last = 0.0
-
-    def publish(self, totals: Callable[[], dict[str, Any]], force: bool = False) -> None:
-        """Write ``totals()`` if the last write is ``min_interval_s`` old (or
-        ``force``); a callable, since most steps write nothing."""
-        if self.path is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < self.min_interval_s:
-            return
-        self._last = now
-        try:
-            write_json_atomic(self.path, totals())
-        except OSError as e:  # metrics must never break serving
-            logger.debug("eagle3_tree: could not publish stats: %s", e)
-
-    @staticmethod
-    def stamp(path: str | None) -> tuple[int, int, int] | None:
-        """Identity of the file's current version (each write replaces the file),
-        or None if there is none: a reader parses only what changed."""
-        try:
-            st = os.stat(path) if path else None
-        except OSError:
-            return None
-        return None if st is None else (st.st_ino, st.st_mtime_ns, st.st_size)
-
-    @staticmethod
-    def read(path: str | None) -> dict[str, Any] | None:
-        if not path:
-            return None
-        try:
-            with open(path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None

@@ -146,12 +146,18 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(servers):
 def test_tree_metrics_on_prometheus_endpoint(servers):
     _, tree = servers
     chat(tree.client, QUESTIONS[1])
-    time.sleep(1.5)  # the frontend reads the worker's counters on its next engine step
-    chat(tree.client, QUESTIONS[2])
-    m = tree.metrics()
+    m = tree.metrics()  # no wait: the counters came with the answer's last step
     trees = metric_sum(m, "vllm_treespec:trees_total")
     assert trees > 0, m
-    assert metric_sum(m, "vllm_treespec:draft_nodes_total") >= trees
+    # At least vLLM's own counts (the budget is off: every draft is a verified
+    # node); more by the trees of a step whose request the disconnect test
+    # aborted before vLLM's scheduler took the step's results (vLLM skips those).
+    # With one API server, vLLM's logging stat logger ran on the same steps'
+    # stats after the tree logger took its payload out.
+    drafts = metric_sum(m, "vllm:spec_decode_num_drafts_total")
+    assert drafts <= trees <= drafts + 8, (trees, drafts)  # 8: one step's batch at most
+    assert metric_sum(m, "vllm_treespec:draft_nodes_total") >= metric_sum(
+        m, "vllm:spec_decode_num_draft_tokens_total")
     # Trees accepted drafts (test_greedy_answers_equal_plain_vllm and the rest
     # then checked multi-token steps, not just bonus tokens).
     assert metric_sum(m, "vllm_treespec:mean_acceptance_length") >= 1.3, m

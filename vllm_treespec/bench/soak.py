@@ -108,17 +108,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def resident_bytes(pid: int) -> int:
+def resident_bytes(pid: int) -> dict[str, int]:
+    """Resident memory of a server's processes by process name (vLLM names its
+    engine-core process; one entry per name, summed), to tell which one grows."""
     import psutil
 
     proc = psutil.Process(pid)
-    total = 0
+    by_name: dict[str, int] = {}
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            name = "api-server" if p.pid == pid else p.name()
+            by_name[name] = by_name.get(name, 0) + p.memory_info().rss
         except psutil.NoSuchProcess:
             pass
-    return total
+    return by_name
 
 
 def healthy(base_url: str) -> bool:
@@ -160,6 +163,7 @@ class ServerRun:
     metrics: dict
     dumps: int
     injected_dumps: int  # dumps of the --invalid-trees fault (its token -1)
+    rss_by_process: list = dataclasses.field(default_factory=list)  # warm-up, each pass
 
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
@@ -181,20 +185,22 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         spec_on = tree is not None
         quiet_before = asyncio.run(run_load(url, quiet, 1))
         asyncio.run(run_load(url, warm, args.concurrency, spec_on))
-        rss_warm = resident_bytes(server.proc.pid)
-        loads, walls, rss_passes = [], [], []
+        by_process = [resident_bytes(server.proc.pid)]  # after warm-up, then each pass
+        loads, walls = [], []
         for _ in range(passes):
             t0 = time.perf_counter()
             loads.append(asyncio.run(run_load(url, mix, args.concurrency, spec_on)))
             walls.append(time.perf_counter() - t0)
-            rss_passes.append(resident_bytes(server.proc.pid))
+            by_process.append(resident_bytes(server.proc.pid))
         quiet_after = asyncio.run(run_load(url, quiet, 1))
         alive = healthy(url)
-        rss_end = resident_bytes(server.proc.pid)
+        rss_end = sum(resident_bytes(server.proc.pid).values())
         metrics = server.metrics() if alive else {}
-    return ServerRun(name, quiet_before, quiet_after, loads, walls, rss_warm, rss_passes, rss_end,
+    totals = [sum(snapshot.values()) for snapshot in by_process]
+    return ServerRun(name, quiet_before, quiet_after, loads, walls, totals[0], totals[1:], rss_end,
                      alive, metrics, dumps=_count_lines(log, "batch dumped to"),
-                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
+                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"),
+                     rss_by_process=by_process)
 
 
 def _count_lines(log: Path, *needles: str) -> int:
@@ -266,6 +272,8 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
             "rss_mb": {"after_warmup": run.rss_warm >> 20,
                        "after_load": [rss >> 20 for rss in run.rss_passes],
                        "end": run.rss_end >> 20, "growth": [round(g, 3) for g in growth],
+                       "by_process": [{k: v >> 20 for k, v in snapshot.items()}
+                                      for snapshot in run.rss_by_process],
                        "limit": None if name == "plain" else [round(x, 3) for x in limits]},
             "preemptions": preemptions,
             "trees": metric_sum(run.metrics, "vllm_treespec:trees_total"),

@@ -2,10 +2,11 @@
 
 Per verified tree: acceptance length (accepted drafts + bonus), accepted depth
 (per-depth acceptance), tree size; per step: draft, verify forward, accept and
-commit times. Cumulative counters go to the frontend through the stats file
-(``/metrics`` and the periodic log, see ``stat_logger``); without a frontend
-(offline ``LLM``) the worker logs a summary itself every 10 s. Optional JSONL
-traces (``trace_dir``) get one line per step.
+commit times. The counters' increments ride on each step's output to the
+frontend (``stats_channel``; ``/metrics`` and the periodic log, see
+``stat_logger``); without a frontend that reads them (offline ``LLM``) the
+worker logs a summary itself every 10 s. Optional JSONL traces (``trace_dir``)
+get one line per step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import time
 from typing import Any
 
-from vllm_treespec.observability import StatsFile, TraceWriter, stats_path, trace_dir_from
+from vllm_treespec.observability import TraceWriter, trace_dir_from
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -62,6 +63,13 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def difference(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    """Counter increments from ``before`` to ``now`` (lists element-wise; ``now``'s
+    lists may be longer)."""
+    return {k: ([c - (before[k][i] if i < len(before[k]) else 0) for i, c in enumerate(v)]
+                if isinstance(v, list) else v - before[k]) for k, v in now.items()}
+
+
 def format_summary(s: dict[str, Any]) -> str:
     return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
             "[%s]; per step: draft %.1f ms, prepare %.1f ms, verify forward %.1f ms, "
@@ -73,14 +81,15 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 class TreeMetrics:
-    def __init__(self, trace: TraceWriter | None = None, stats_path: str | None = None,
+    def __init__(self, trace: TraceWriter | None = None, to_frontend: bool = False,
                  log_interval_s: float | None = 10.0):
         self.total = Totals()
         self.window = Totals()
         self.trace = trace
-        self.stats = StatsFile(stats_path)
+        self.to_frontend = to_frontend
+        self._sent = dataclasses.asdict(self.total)  # the totals as of the last payload
         # A frontend exports and logs the counters; log here only without one.
-        self.log_interval_s = None if stats_path else log_interval_s
+        self.log_interval_s = None if to_frontend else log_interval_s
         self._last_log = time.monotonic()
         self._pending: dict[str, Any] | None = None
         self._forward_s = 0.0
@@ -102,14 +111,26 @@ class TreeMetrics:
                                vllm_config.scheduler_config.max_num_batched_tokens,
                            "block_size": vllm_config.cache_config.block_size,
                            "device": str(vllm_config.device_config.device)}})
-        # One publisher (and logger) per engine, its first worker; one file per engine.
-        parallel = vllm_config.parallel_config
-        if parallel.rank != 0:
+        # One sender (or logger) per engine: its first worker, whose step output
+        # is the one the executor hands the scheduler.
+        if vllm_config.parallel_config.rank != 0:
             return cls(trace=trace, log_interval_s=None)
-        # vLLM sets data_parallel_rank to 0 in every engine of a dense model; the
-        # engine's index (what the frontend's stat logger is given) is this.
-        engine = getattr(parallel, "data_parallel_index", parallel.data_parallel_rank)
-        return cls(trace=trace, stats_path=stats_path(engine))
+        from vllm_treespec.vllm_glue.spec_config import frontend_takes_stats
+
+        return cls(trace=trace, to_frontend=frontend_takes_stats(vllm_config))
+
+    def take_payload(self) -> dict[str, Any] | None:
+        """The counters' increments since the last payload and their totals, for
+        the step's output (``stats_channel``); None if nothing changed or no
+        frontend reads them."""
+        if not self.to_frontend:
+            return None
+        total = dataclasses.asdict(self.total)
+        if total == self._sent:
+            return None
+        delta = difference(total, self._sent)
+        self._sent = total
+        return {"delta": delta, "total": total}
 
     def _both(self):
         return (self.total, self.window)
@@ -159,18 +180,11 @@ class TreeMetrics:
                 "ms": {"prepare": round(1e3 * step.prepare_s, 3),
                        "forward": round(1e3 * self._forward_s, 3),
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
-        self.stats.publish(lambda: dataclasses.asdict(self.total))
         self._maybe_log()
 
     def on_draft_fault(self) -> None:
         for t in self._both():
             t.draft_faults += 1
-        self.flush()
-
-    def flush(self) -> None:
-        """Publish the counters now (throttled writes may have left the last
-        steps out)."""
-        self.stats.publish(lambda: dataclasses.asdict(self.total), force=True)
 
     def on_draft(self, seconds: float) -> None:
         for t in self._both():

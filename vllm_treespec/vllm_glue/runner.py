@@ -30,7 +30,7 @@ from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
-from vllm_treespec.vllm_glue import support
+from vllm_treespec.vllm_glue import stats_channel, support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
@@ -93,7 +93,8 @@ class TreeRunnerMixin(StepCostCalibration):
                                 time.perf_counter() - self._step_start - drafted,
                                 branching=self._step_branching)
         self._step_start = None
-        return out
+        metrics = getattr(self, "tree_metrics", None)
+        return out if metrics is None else stats_channel.attach(out, metrics.take_payload)
 
     # ------------------------------------------------------------- device hooks
     def _tree_proposer_class(self) -> type:
@@ -134,14 +135,7 @@ class TreeRunnerMixin(StepCostCalibration):
     def _update_states(self, scheduler_output):
         if hasattr(self, "drafter"):
             self.drafter.forget(scheduler_output.finished_req_ids)
-        out = super()._update_states(scheduler_output)
-        metrics = getattr(self, "tree_metrics", None)
-        if scheduler_output.finished_req_ids and not self.input_batch.num_reqs \
-                and metrics is not None:
-            # The engine idles now: the frontend gets the last steps' counters
-            # (the stats file is otherwise written at most four times a second).
-            metrics.flush()
-        return out
+        return super()._update_states(scheduler_output)
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):

@@ -32,6 +32,9 @@ from vllm_treespec.vllm_glue import support
 
 METHOD = "eagle3_tree"
 ADDITIONAL_CONFIG_KEY = "eagle3_tree"
+# Set where the frontend records the tree stat logger (pyproject's entry-point name).
+FRONTEND_STATS_KEY = "eagle3_tree_frontend_stats"
+STAT_LOGGER_PLUGIN = "treespec"
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -133,24 +136,24 @@ def _select_worker(parallel_config: Any, kind: str | None = None,
     parallel_config.worker_cls = WORKERS[kind]
 
 
-def _enable_frontend_metrics() -> None:
-    """Hand tree counters from the workers to this (frontend) process.
+def _frontend_loads_stat_logger(engine_args: Any) -> bool:
+    """Whether the engine's frontend records the tree stat logger, which takes the
+    tree counters out of each step's stats (``stats_channel``): vLLM's server
+    (``AsyncLLM``, built from ``AsyncEngineArgs``) loads stat-logger plugins, the
+    offline ``LLMEngine`` does not, and ``VLLM_PLUGINS`` may leave ours out. Any
+    other frontend must not get them: vLLM's own logger fails on them."""
+    from vllm import envs
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
-    The stats directory is passed through the environment, which the engine and
-    worker processes started after this point inherit; this process removes it
-    at exit. The tree stat logger (``stat_logger``) comes in through vLLM's
-    ``vllm.stat_logger_plugins`` entry-point group.
-    """
-    import atexit
-    import shutil
-    import tempfile
+    allowed = envs.VLLM_PLUGINS
+    return isinstance(engine_args, AsyncEngineArgs) and (
+        allowed is None or STAT_LOGGER_PLUGIN in allowed)
 
-    from vllm_treespec.observability import STATS_ENV, memory_backed_dir
 
-    if not os.environ.get(STATS_ENV):
-        directory = tempfile.mkdtemp(prefix="vllm-treespec-stats-", dir=memory_backed_dir())
-        os.environ[STATS_ENV] = directory
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+def frontend_takes_stats(vllm_config: Any) -> bool:
+    """Whether this engine's workers send tree counters with their step outputs."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return isinstance(extra, dict) and bool(extra.get(FRONTEND_STATS_KEY))
 
 
 def _spec_dict(engine_args: Any) -> dict[str, Any] | None:
@@ -205,9 +208,9 @@ def patch_engine_args() -> None:
             _select_worker(parallel)
             extra = dict(self.additional_config or {})
             extra[ADDITIONAL_CONFIG_KEY] = tree.to_dict()
+            extra[FRONTEND_STATS_KEY] = _frontend_loads_stat_logger(self)
             self.additional_config = extra
             self.speculative_config = stock
-            _enable_frontend_metrics()
             logger.info("%s: %s", METHOD, tree)
         return original(self, *args, **kwargs)
 
