@@ -116,6 +116,12 @@ def test_a_second_pass_tells_a_leak_from_a_larger_working_set():
     assert _memory_violations(plain, (1.18, 1.23)) == []            # working set: +8 then flat
     leak = _memory_violations(plain, (1.18, 1.28))                  # +8, then +5 more a pass
     assert len(leak) == 1 and "load pass 2" in leak[0] and "1.25x" in leak[0]
+    from vllm_treespec.bench.soak import check
+
+    runs = {"plain": _run("plain", 1000, 1100, 1150),
+            "adaptive": _run("adaptive", 1000, 1180, 1280)}
+    summary, _ = check(runs, [])
+    assert summary["adaptive"]["violations"] == 1 and summary["plain"]["violations"] == 0
     assert _memory_violations(plain, (1.22, 1.24))[0].count("load pass 1") == 1
 
 

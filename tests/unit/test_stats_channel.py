@@ -93,11 +93,13 @@ def test_the_stat_logger_adds_each_payload_once():
 
     config = types.SimpleNamespace(
         additional_config={ADDITIONAL_CONFIG_KEY: TreeSpecConfig().to_dict()},
+        model_config=types.SimpleNamespace(served_model_name="m"),
         parallel_config=types.SimpleNamespace(_api_process_count=1))
-    logger = TreeStatLogger(config)
+    logger = TreeStatLogger(config, engine_index=1)
+    labels = {"model_name": "m", "engine": "1"}
 
     def trees_total():
-        return REGISTRY.get_sample_value("vllm_treespec:trees_total") or 0.0
+        return REGISTRY.get_sample_value("vllm_treespec:trees_total", labels) or 0.0
 
     before = trees_total()
     metrics = TreeMetrics(to_frontend=True)
@@ -108,7 +110,9 @@ def test_the_stat_logger_adds_each_payload_once():
         assert stats.kv_connector_stats is None
         logger.record(stats, None)  # nothing left to add
     assert trees_total() - before == 5
-    assert REGISTRY.get_sample_value("vllm_treespec:mean_acceptance_length") == 3.0
+    assert REGISTRY.get_sample_value("vllm_treespec:mean_acceptance_length", labels) == 3.0
+    assert REGISTRY.get_sample_value("vllm_treespec:accepted_at_depth_total",
+                                     dict(labels, depth="1")) == 5
     inert = TreeStatLogger(types.SimpleNamespace(additional_config={}))
     stats = _scheduler_stats_from({"delta": {}, "total": {}})
     inert.record(stats, None)  # another method's logger still takes the key out

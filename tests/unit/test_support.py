@@ -221,3 +221,23 @@ def test_ascend_settings_at_their_defaults_pass_anywhere():
     _select_worker(SimpleNamespace(worker_cls="auto"), kind="cpu",
                    environ={"VLLM_TREESPEC_ASCEND_VARIANT": "full_mask",
                             "VLLM_TREESPEC_ASCEND_FULL_GRAPH": "0"})
+
+
+def test_pipeline_parallelism_is_refused():
+    """vLLM refuses PP for this test model before a tree is checked, so the refusal
+    is tested on the engine config check itself."""
+    from vllm_treespec.config import TreeSpecConfigError
+    from vllm_treespec.vllm_glue.support import check_engine
+
+    def config(stages):
+        return SimpleNamespace(
+            model_config=SimpleNamespace(uses_mrope=False, uses_xdrope_dim=False,
+                                         is_hybrid=False, is_attention_free=False,
+                                         logits_processors=None),
+            cache_config=SimpleNamespace(kv_offloading_size=None), kv_transfer_config=None,
+            parallel_config=SimpleNamespace(pipeline_parallel_size=stages),
+            scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+
+    check_engine(config(1), num_nodes=8)
+    with pytest.raises(TreeSpecConfigError, match="pipeline parallelism"):
+        check_engine(config(2), num_nodes=8)

@@ -291,6 +291,8 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
             if p < MISMATCH_P_VALUE:
                 violations.append(f"{name}: {diff}/{n} greedy answers under load differ from "
                                   f"plain, against {base_diff}/{base_n} plain vs plain (p={p:.4f})")
+        # every violation of this server: its requests', memory, greedy under load
+        entry["violations"] = sum(v.startswith(f"{name}: ") for v in violations)
         summary[name] = entry
     return summary, violations
 

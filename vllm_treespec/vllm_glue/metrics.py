@@ -112,7 +112,8 @@ class TreeMetrics:
                            "block_size": vllm_config.cache_config.block_size,
                            "device": str(vllm_config.device_config.device)}})
         # One sender (or logger) per engine: its first worker, whose step output
-        # is the one the executor hands the scheduler.
+        # is the one the executor hands the scheduler (pipeline parallelism,
+        # where the last stage's would be, is refused: support.check_engine).
         if vllm_config.parallel_config.rank != 0:
             return cls(trace=trace, log_interval_s=None)
         from vllm_treespec.vllm_glue.spec_config import frontend_takes_stats

@@ -140,14 +140,14 @@ def _frontend_loads_stat_logger(engine_args: Any) -> bool:
     """Whether the engine's frontend records the tree stat logger, which takes the
     tree counters out of each step's stats (``stats_channel``): vLLM's server
     (``AsyncLLM``, built from ``AsyncEngineArgs``) loads stat-logger plugins, the
-    offline ``LLMEngine`` does not, and ``VLLM_PLUGINS`` may leave ours out. Any
-    other frontend must not get them: vLLM's own logger fails on them."""
-    from vllm import envs
+    offline ``LLMEngine`` does not, and ``VLLM_PLUGINS`` may leave ours out (or
+    it may fail to load: vLLM logs that and goes on). Any other frontend must
+    not get them: vLLM's own logger fails on them."""
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.plugins import STAT_LOGGER_PLUGINS_GROUP, load_plugins_by_group
 
-    allowed = envs.VLLM_PLUGINS
     return isinstance(engine_args, AsyncEngineArgs) and (
-        allowed is None or STAT_LOGGER_PLUGIN in allowed)
+        STAT_LOGGER_PLUGIN in load_plugins_by_group(STAT_LOGGER_PLUGINS_GROUP))
 
 
 def frontend_takes_stats(vllm_config: Any) -> bool:

@@ -56,20 +56,29 @@ class TreeStatLogger(StatLoggerBase):
         self._total: dict | None = None   # the engine's totals as of the last payload
         self._logged: dict | None = None
         C, G = prometheus_client.Counter, prometheus_client.Gauge
-        self.trees = _metric(C, "vllm_treespec:trees", "Verified draft trees")
-        self.nodes = _metric(C, "vllm_treespec:draft_nodes", "Draft nodes verified")
-        self.emitted = _metric(C, "vllm_treespec:emitted_tokens",
-                               "Tokens emitted by tree steps (accepted drafts + bonus)")
-        self.faults = _metric(C, "vllm_treespec:draft_faults",
-                              "Drafting steps that raised and fell back to no drafts")
-        self.at_depth = _metric(C, "vllm_treespec:accepted_at_depth",
-                                "Trees that accepted at least `depth` draft tokens", ["depth"])
-        self.stage = _metric(C, "vllm_treespec:stage_seconds",
-                             "Time spent per stage of tree speculation", ["stage"])
-        self.mean_len = _metric(G, "vllm_treespec:mean_acceptance_length",
-                                "Mean acceptance length (accepted drafts + bonus) since start")
-        self.mean_size = _metric(G, "vllm_treespec:mean_tree_size",
-                                 "Mean draft tree size since start")
+        # Labelled as vLLM labels its own series: one set per served model and engine.
+        labels = {"model_name": str(vllm_config.model_config.served_model_name),
+                  "engine": str(engine_index)}
+
+        def series(kind, name, doc, extra=()):
+            metric = _metric(kind, name, doc, (*labels, *extra))
+            return metric if extra else metric.labels(**labels)
+
+        self.labels = labels
+        self.trees = series(C, "vllm_treespec:trees", "Verified draft trees")
+        self.nodes = series(C, "vllm_treespec:draft_nodes", "Draft nodes verified")
+        self.emitted = series(C, "vllm_treespec:emitted_tokens",
+                              "Tokens emitted by tree steps (accepted drafts + bonus)")
+        self.faults = series(C, "vllm_treespec:draft_faults",
+                             "Drafting steps that raised and fell back to no drafts")
+        self.at_depth = series(C, "vllm_treespec:accepted_at_depth",
+                               "Trees that accepted at least `depth` draft tokens", ["depth"])
+        self.stage = series(C, "vllm_treespec:stage_seconds",
+                            "Time spent per stage of tree speculation", ["stage"])
+        self.mean_len = series(G, "vllm_treespec:mean_acceptance_length",
+                               "Mean acceptance length (accepted drafts + bonus) since start")
+        self.mean_size = series(G, "vllm_treespec:mean_tree_size",
+                                "Mean draft tree size since start")
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         # Taken out whatever this logger's state: vLLM's loggers come next.
@@ -83,11 +92,11 @@ class TreeStatLogger(StatLoggerBase):
         self.emitted.inc(delta["emitted"])
         self.faults.inc(delta["draft_faults"])
         for d, c in enumerate(delta["accepted_at_depth"]):
-            self.at_depth.labels(depth=str(d + 1)).inc(c)
+            self.at_depth.labels(**self.labels, depth=str(d + 1)).inc(c)
         for stage, key in (("draft", "draft_s"), ("prepare", "prepare_s"),
                            ("verify_forward", "forward_s"),
                            ("accept", "accept_s"), ("commit", "commit_s")):
-            self.stage.labels(stage=stage).inc(max(0.0, delta[key]))
+            self.stage.labels(**self.labels, stage=stage).inc(max(0.0, delta[key]))
         trees = max(1, total["trees"])
         self.mean_len.set(total["emitted"] / trees)
         self.mean_size.set(total["nodes"] / trees)

@@ -7,9 +7,10 @@ loggers receive: a KV connector's stats (``KVConnectorOutput.kv_connector_stats`
 the scheduler passes its ``data`` dict on as ``SchedulerStats.kv_connector_stats``
 with the step's outputs). Tree mode refuses KV connectors (``support``), so the
 field is ours, under one key. The tree stat logger takes that key out before
-vLLM's own loggers see the dict: vLLM records plugin loggers first
-(``StatLoggerManager``), and its logging logger asserts a configured connector
-for any non-empty dict.
+vLLM's own loggers see the dict: ``StatLoggerManager`` records the loggers a
+caller passes and the plugin loggers before its logging and Prometheus
+loggers, and the logging one asserts a configured connector for any non-empty
+dict.
 
 A payload holds the counters' increments since the worker's previous payload
 and its running totals. A step's stats reach exactly one API server, so each

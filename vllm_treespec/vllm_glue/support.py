@@ -182,6 +182,11 @@ def check_engine(vllm_config: Any, num_nodes: int) -> None:
     if vllm_config.kv_transfer_config is not None:
         raise _refuse("KV connectors (kv_transfer_config)",
                       "they would save the uncompacted tree slots of the KV cache")
+    stages = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    if stages > 1:
+        raise _refuse(f"pipeline parallelism (pipeline_parallel_size {stages})",
+                      "the tree's verify, commit and metrics run in the first stage's "
+                      "runner, and the step output vLLM keeps is the last stage's")
     check_token_budget(num_nodes, vllm_config.scheduler_config.max_num_batched_tokens)
 
 
