@@ -48,7 +48,7 @@ def check_memory(first, count: int) -> None:
 
     from vllm_treespec.bench.soak import resident_bytes
 
-    per = resident_bytes(first.proc.pid)
+    per = sum(resident_bytes(first.proc.pid).values())  # every process of the server
     available = psutil.virtual_memory().available
     fit = int((available + per) // (1.25 * per))
     if fit < count:
