@@ -87,9 +87,10 @@ def _run(name, rss_warm, *rss_passes, preemptions=3.0):
 
     metrics = {"vllm:num_preemptions_total": preemptions}
     # rss_end (after the quiet subset) is reported, not judged
-    return ServerRun(name, [], [], [[] for _ in rss_passes], [1.0] * len(rss_passes), rss_warm,
-                     list(rss_passes), rss_end=10 * rss_passes[-1], healthy_end=True,
-                     metrics=metrics, dumps=0, injected_dumps=0)
+    by_process = [{"VLLM::Worker": rss} for rss in (rss_warm, *rss_passes)]
+    return ServerRun(name, [], [], [[] for _ in rss_passes], [1.0] * len(rss_passes), by_process,
+                     rss_end=10 * rss_passes[-1], healthy_end=True, metrics=metrics, dumps=0,
+                     injected_dumps=0)
 
 
 def _memory_violations(plain_growth, tree_growth):

@@ -156,14 +156,20 @@ class ServerRun:
     quiet_after: list
     loads: list  # one list of SoakResult per pass
     load_walls: list
-    rss_warm: int
-    rss_passes: list  # right after each load pass
+    rss_by_process: list  # resident_bytes() after the warm-up, then after each load pass
     rss_end: int
     healthy_end: bool
     metrics: dict
     dumps: int
     injected_dumps: int  # dumps of the --invalid-trees fault (its token -1)
-    rss_by_process: list = dataclasses.field(default_factory=list)  # warm-up, each pass
+
+    @property
+    def rss_warm(self) -> int:
+        return sum(self.rss_by_process[0].values())
+
+    @property
+    def rss_passes(self) -> list[int]:
+        return [sum(snapshot.values()) for snapshot in self.rss_by_process[1:]]
 
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
@@ -196,11 +202,9 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         alive = healthy(url)
         rss_end = sum(resident_bytes(server.proc.pid).values())
         metrics = server.metrics() if alive else {}
-    totals = [sum(snapshot.values()) for snapshot in by_process]
-    return ServerRun(name, quiet_before, quiet_after, loads, walls, totals[0], totals[1:], rss_end,
+    return ServerRun(name, quiet_before, quiet_after, loads, walls, by_process, rss_end,
                      alive, metrics, dumps=_count_lines(log, "batch dumped to"),
-                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"),
-                     rss_by_process=by_process)
+                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
 
 
 def _count_lines(log: Path, *needles: str) -> int:

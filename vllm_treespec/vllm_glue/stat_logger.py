@@ -48,7 +48,6 @@ class TreeStatLogger(StatLoggerBase):
 
         # vLLM creates plugin loggers for every model it serves; only trees export.
         self.active = tree_config_from_vllm(vllm_config) is not None
-        self.engine_index = engine_index
         if not self.active:
             return
         api_servers = getattr(vllm_config.parallel_config, "_api_process_count", 1)
