@@ -11,7 +11,10 @@ After the warm-up and after each pass it reports resident memory before and
 after glibc's ``malloc_trim(0)`` (which hands free heap memory back to the
 OS), the bytes of live torch tensors reachable from Python, and which Python
 object types grew. Memory that ``malloc_trim`` returns was free: retention,
-not a leak.
+not a leak. (A tree worker trims by itself when its engine goes idle, see
+``vllm_glue/host_heap``; here that happens on the engine's next step, at the
+start of the next pass, so the figures before the trim are without it and those
+after it are what a served tree worker keeps.)
 
     python benchmarks/memory_retention.py --method fixed --requests 150 --passes 2
 

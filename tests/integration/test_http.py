@@ -167,3 +167,12 @@ def test_tree_metrics_on_prometheus_endpoint(servers):
     # tree payload left in the stats), and so did the tree logger's summary.
     log = tree.log_path.read_text()
     assert "SpecDecoding metrics" in log and "eagle3_tree: mean acceptance length" in log
+
+
+def test_worker_returns_free_heap_when_the_engine_idles(servers):
+    """The tree worker trims its heap when its last request finishes (host_heap):
+    the first idle moment always trims, and the worker logs it."""
+    _, tree = servers
+    chat(tree.client, QUESTIONS[2])
+    time.sleep(1)  # the engine's next step tells the worker the request finished
+    assert "eagle3_tree: engine idle, returned" in tree.log_path.read_text()

@@ -32,6 +32,7 @@ from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue import stats_channel, support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
+from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import (VerifyStep, sample_with_trees,
@@ -70,6 +71,7 @@ class TreeRunnerMixin(StepCostCalibration):
         # Cache blocks past the scheduler's, for the attention backend's per-step
         # scratch (see _CPUDevice); none unless a device reserves them.
         self.tree_spare_blocks: list[int] = []
+        self.heap_trimmer = IdleHeapTrimmer()
 
     # ------------------------------------------------------------- cost model
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
@@ -135,7 +137,15 @@ class TreeRunnerMixin(StepCostCalibration):
     def _update_states(self, scheduler_output):
         if hasattr(self, "drafter"):
             self.drafter.forget(scheduler_output.finished_req_ids)
-        return super()._update_states(scheduler_output)
+        out = super()._update_states(scheduler_output)
+        if scheduler_output.finished_req_ids and not self.requests:
+            # The last requests just finished: the engine goes idle (see host_heap).
+            trim = self.heap_trimmer.at_idle()
+            if trim is not None:
+                logger.info("eagle3_tree: engine idle, returned %.0f of %.0f MB resident "
+                            "to the OS in %.1f ms", trim.returned / 2**20,
+                            trim.resident_before / 2**20, trim.seconds * 1e3)
+        return out
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):

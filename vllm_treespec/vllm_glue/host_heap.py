@@ -1,0 +1,66 @@
+"""Hands the free heap memory of a worker back to the OS when its engine goes idle.
+
+Why: on the host, every step allocates its temporaries (logits, hidden states,
+the tree's mask and gathers) through the C allocator, and glibc keeps freed
+blocks in its arenas instead of returning them. A verify step's temporaries are
+larger and vary more in size than a plain step's, so under bursts of load a tree
+worker's resident memory climbed by hundreds of MB a burst and stayed there
+(``benchmarks/memory_retention.py``: ``malloc_trim`` returned 462 of 596 MB after
+one pass; the soak saw the climb as a leak). Trimming at every step would cost
+page faults on the next one; trimming once the batch is empty costs nothing
+while requests run, and happens only once the worker has grown enough to matter.
+
+Linux with glibc only; elsewhere every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+
+import psutil
+
+# Below this much growth since the last trim an idle trim is not worth the next
+# step's page faults (a batch-1 server goes idle after every request).
+MIN_GROWTH_BYTES = 64 << 20
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library is not glibc."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the C library this process runs on
+    except (OSError, AttributeError):  # musl, macOS
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+@dataclass(frozen=True)
+class Trim:
+    resident_before: int  # the process's resident bytes before the trim
+    returned: int  # resident bytes the trim gave back to the OS
+    seconds: float
+
+
+class IdleHeapTrimmer:
+    """Trims the heap at an idle moment once the process grew by ``min_growth``
+    bytes since its last trim (the first idle moment always trims)."""
+
+    def __init__(self, min_growth: int = MIN_GROWTH_BYTES):
+        self.min_growth = min_growth
+        self._trim = _malloc_trim()
+        self._process = psutil.Process()
+        self._floor: int | None = None  # resident bytes right after the last trim
+
+    def at_idle(self) -> Trim | None:
+        if self._trim is None:
+            return None
+        resident = self._process.memory_info().rss
+        if self._floor is not None and resident - self._floor < self.min_growth:
+            return None
+        t0 = time.perf_counter()
+        self._trim(0)
+        seconds = time.perf_counter() - t0
+        self._floor = self._process.memory_info().rss
+        return Trim(resident, resident - self._floor, seconds)
