@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import gc
 import json
 import os
@@ -67,12 +66,12 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args()
 
-    import psutil
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
     from vllm_treespec.assets import ensure_assets
     from vllm_treespec.bench import pangu240
+    from vllm_treespec.vllm_glue import host_heap
 
     assets = ensure_assets()
     spec = None if args.method == "plain" else {
@@ -93,13 +92,13 @@ def main() -> None:
                                      temperature=temperature,
                                      top_p=0.9 if temperature else 1.0,
                                      seed=i if temperature else None))
-    libc, proc = ctypes.CDLL("libc.so.6"), psutil.Process()
 
     def measure(label: str, seconds: float | None, before_counts) -> dict:
         counts, tensor_bytes = census()
-        rss = proc.memory_info().rss
-        libc.malloc_trim(0)
-        trimmed = proc.memory_info().rss
+        trim = host_heap.trim_heap()
+        if trim is None:
+            raise SystemExit("memory_retention needs glibc's malloc_trim")
+        rss, trimmed = trim.resident_before, trim.resident_after
         grew = {} if before_counts is None else {
             k: counts[k] - before_counts.get(k, 0) for k in counts
             if counts[k] - before_counts.get(k, 0) > 50}

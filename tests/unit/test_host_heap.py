@@ -15,7 +15,7 @@ import pytest
 
 from vllm_treespec.vllm_glue import host_heap
 
-pytestmark = pytest.mark.skipif(host_heap._malloc_trim() is None,
+pytestmark = pytest.mark.skipif(host_heap._MALLOC_TRIM is None,
                                 reason="malloc_trim needs glibc")
 
 BLOCK = 96 << 10  # under glibc's 128 KiB mmap threshold: served from the heap

@@ -36,11 +36,29 @@ def _malloc_trim():
     return trim
 
 
+_MALLOC_TRIM = _malloc_trim()
+
+
 @dataclass(frozen=True)
 class Trim:
     resident_before: int  # the process's resident bytes before the trim
     returned: int  # resident bytes the trim gave back to the OS
     seconds: float
+
+    @property
+    def resident_after(self) -> int:
+        return self.resident_before - self.returned
+
+
+def trim_heap() -> Trim | None:
+    """``malloc_trim(0)`` now, and what it returned; None without glibc."""
+    if _MALLOC_TRIM is None:
+        return None
+    process = psutil.Process()
+    resident, t0 = process.memory_info().rss, time.perf_counter()
+    _MALLOC_TRIM(0)
+    seconds = time.perf_counter() - t0
+    return Trim(resident, resident - process.memory_info().rss, seconds)
 
 
 class IdleHeapTrimmer:
@@ -49,18 +67,15 @@ class IdleHeapTrimmer:
 
     def __init__(self, min_growth: int = MIN_GROWTH_BYTES):
         self.min_growth = min_growth
-        self._trim = _malloc_trim()
         self._process = psutil.Process()
         self._floor: int | None = None  # resident bytes right after the last trim
 
     def at_idle(self) -> Trim | None:
-        if self._trim is None:
+        if _MALLOC_TRIM is None:
             return None
-        resident = self._process.memory_info().rss
-        if self._floor is not None and resident - self._floor < self.min_growth:
+        if (self._floor is not None
+                and self._process.memory_info().rss - self._floor < self.min_growth):
             return None
-        t0 = time.perf_counter()
-        self._trim(0)
-        seconds = time.perf_counter() - t0
-        self._floor = self._process.memory_info().rss
-        return Trim(resident, resident - self._floor, seconds)
+        trim = trim_heap()
+        self._floor = trim.resident_after
+        return trim
