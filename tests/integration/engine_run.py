@@ -4,7 +4,8 @@
 
 SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
-       "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int} | null,
+       "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int, "mode": str} | null
+       (mode "marginals": parallel_oracle, otherwise oracle.install's modes),
        "n_per_prompt": int, "schedule": {"off_steps", "period", "mode", "chain"?} | null,
        "draft_faults": N | null (every N-th drafter forward raises),
        "stream_seeded_plain_steps": bool (negative control of seeded reproduction),
@@ -36,14 +37,15 @@ def main(spec_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from tests.integration import oracle
+    from tests.integration import oracle, parallel_oracle
 
     spec = json.loads(open(spec_path).read())
     llm = LLM(**dict(spec["engine"], disable_log_stats=False))
     tree_mode = (spec["engine"].get("speculative_config") or {}).get("method") == "eagle3_tree"
     if spec.get("oracle") and tree_mode:
         o = spec["oracle"]
-        llm.collective_rpc(oracle.install, args=(o["reference"], o.get("seed", 0)),
+        install = parallel_oracle.install if o.get("mode") == "marginals" else oracle.install
+        llm.collective_rpc(install, args=(o["reference"], o.get("seed", 0)),
                            kwargs={"mode": o.get("mode", "greedy")})
     if spec.get("schedule") and tree_mode:
         sch = spec["schedule"]

@@ -6,7 +6,9 @@ the distributions of whole sequences, and the next-token distributions after
 every frequent prefix (where a tree's siblings compete). The tree drafter is an
 oracle built from a plain-vLLM sample (the most frequent observed continuations,
 several branches per node), so trees are accepted at several depths, as with a
-good drafter. Two negative controls run the harness against engines with biased
+good drafter. Trees grown by parallel drafting (``"draft": "parallel"``, one
+distribution per depth) pass the same tests with an oracle that gives those
+per-depth marginals (``parallel_oracle``). Two negative controls run the harness against engines with biased
 acceptance rules and must fail it: a gross one (greedy acceptance at T > 0) and a
 subtle one (later siblings accepted without renormalisation).
 """
@@ -40,6 +42,7 @@ N_SUBTLE = 600   # the unnormalised-siblings control (measured: p = 3e-12)
 ALPHA = 1e-3     # a p-value below this fails the test
 LENGTH = 4       # tokens per sample
 TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adaptive": False}
+PARALLEL_TREE = dict(TREE, draft="parallel")
 
 
 def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
@@ -103,6 +106,18 @@ def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: i
     return float(stats.chi2.sf(statistic, dof)) if dof else 1.0
 
 
+def assert_same_distributions(plain, tree, metrics):
+    """Both homogeneity tests pass for every setting, and the trees were really
+    used: drafts accepted beyond the first depth."""
+    for setting, a, b in zip(SETTINGS, plain, tree):
+        p = homogeneity_pvalue(a, b)
+        assert p > ALPHA, f"{setting}: distributions of sequences differ (p={p:.2e})"
+        p = next_token_homogeneity_pvalue(a, b)
+        assert p > ALPHA, f"{setting}: next-token distributions differ (p={p:.2e})"
+    assert metrics["mean_accept_len"] > 1.5, metrics
+    assert metrics["per_depth_acceptance"][1] > 0.05, metrics
+
+
 @pytest.fixture(scope="module")
 def samples(target_dir, tokenizer, random_drafter, engine_dir):
     prompts = chat_token_ids(tokenizer, PROMPTS)
@@ -122,14 +137,21 @@ def samples(target_dir, tokenizer, random_drafter, engine_dir):
 
 def test_tree_samples_match_plain_sampling(samples):
     _, _, plain, tree, metrics = samples
-    for setting, a, b in zip(SETTINGS, plain, tree):
-        p = homogeneity_pvalue(a, b)
-        assert p > ALPHA, f"{setting}: distributions of sequences differ (p={p:.2e})"
-        p = next_token_homogeneity_pvalue(a, b)
-        assert p > ALPHA, f"{setting}: next-token distributions differ (p={p:.2e})"
-    # The trees were really used: drafts accepted beyond the first depth.
-    assert metrics["mean_accept_len"] > 1.5, metrics
-    assert metrics["per_depth_acceptance"][1] > 0.05, metrics
+    assert_same_distributions(plain, tree, metrics)
+
+
+def test_parallel_drafting_trees_sample_what_plain_sampling_does(samples, target_dir,
+                                                                 engine_dir):
+    """The same test for trees built from per-depth marginals (the shipped
+    parallel-drafting head runs; its distributions come from the oracle)."""
+    from vllm_treespec.assets import PARALLEL_DRAFTER_NAME, committed_drafter_dir
+
+    prompts, oracle, plain, _, _ = samples
+    tree, metrics = draw(target_dir, prompts, SETTINGS, N, engine_dir, "parallel_tree", seed=6,
+                         speculative_config=dict(PARALLEL_TREE, model=str(
+                             committed_drafter_dir(PARALLEL_DRAFTER_NAME))),
+                         oracle=dict(oracle, mode="marginals"))
+    assert_same_distributions(plain, tree, metrics)
 
 
 def test_harness_detects_a_biased_acceptance_rule(samples, target_dir, random_drafter,
