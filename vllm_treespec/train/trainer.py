@@ -352,7 +352,7 @@ def train(cfg: TrainConfig, work: Path, log: Callable[[str], None] = print) -> d
                 bar.set_postfix(loss=f"{float(loss.detach()):.3f}", acc="/".join(f"{a:.2f}" for _, a, _ in stats),
                                 lr=f"{lr:.1e}", gn=f"{float(gnorm):.2f}")
                 if state["step"] % 50 == 0:
-                    log(f"[train] step {state['step']}/{total} loss {float(loss):.4f} "
+                    log(f"[train] step {state['step']}/{total} loss {float(loss.detach()):.4f} "
                         f"acc {[round(a, 3) for _, a, _ in stats]} lr {lr:.2e} gnorm {float(gnorm):.2f} "
                         f"positions {state['positions']} ({state['train_seconds'] / max(1, state['step']):.2f}s/step)")
                 if state["step"] % cfg.eval_every == 0 or state["step"] >= total:
