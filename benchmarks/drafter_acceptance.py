@@ -15,6 +15,9 @@ Defaults measure the embedded SmolLM2 target and its drafter
 
     python benchmarks/drafter_acceptance.py --out acceptance.json
     python benchmarks/drafter_acceptance.py --target DIR --drafter DIR --num-spec 4
+
+A parallel-drafting head (``pard_token`` in its config.json) runs with
+``"parallel_drafting": true``, all its drafts from one forward.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         args.drafter = args.drafter or str(assets.drafter)
 
     sets = {"mtbench": mtbench_first_turns(args.mtbench), "humaneval": humaneval_prompts(args.humaneval)}
+    # A parallel-drafting head (train-drafter --parallel K) drafts as stock vLLM serves it.
+    parallel = "pard_token" in json.loads((Path(args.drafter) / "config.json").read_text())
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -106,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         compilation_config={"mode": 0},
         disable_log_stats=False,
         speculative_config={"method": "eagle3", "model": args.drafter,
-                            "num_speculative_tokens": args.num_spec},
+                            "num_speculative_tokens": args.num_spec,
+                            "parallel_drafting": parallel},
     )
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     result = {"target": args.target, "drafter": args.drafter, "num_speculative_tokens": args.num_spec,
-              "max_tokens": args.max_tokens, "sets": {}}
+              "parallel_drafting": parallel, "max_tokens": args.max_tokens, "sets": {}}
     totals = None
     for name, prompts in sets.items():
         if not prompts:
