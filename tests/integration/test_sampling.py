@@ -8,9 +8,10 @@ oracle built from a plain-vLLM sample (the most frequent observed continuations,
 several branches per node), so trees are accepted at several depths, as with a
 good drafter. Trees grown by parallel drafting (``"draft": "parallel"``, one
 distribution per depth) pass the same tests with an oracle that gives those
-per-depth marginals (``parallel_oracle``). Two negative controls run the harness against engines with biased
-acceptance rules and must fail it: a gross one (greedy acceptance at T > 0) and a
-subtle one (later siblings accepted without renormalisation).
+per-depth marginals (``parallel_oracle``). Two negative controls run the harness
+against engines with biased acceptance rules and must fail it: a gross one (greedy
+acceptance at T > 0) and a subtle one (later siblings accepted without
+renormalisation).
 """
 
 from __future__ import annotations
