@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     sets = {"mtbench": mtbench_first_turns(args.mtbench), "humaneval": humaneval_prompts(args.humaneval)}
     # A parallel-drafting head (train-drafter --parallel K) drafts as stock vLLM serves it.
-    parallel = "pard_token" in json.loads((Path(args.drafter) / "config.json").read_text())
+    from vllm_treespec.train.drafter_config import DrafterConfig
+
+    parallel = DrafterConfig.from_hf_dict(
+        json.loads((Path(args.drafter) / "config.json").read_text())).parallel
     from vllm import LLM, SamplingParams
 
     llm = LLM(

@@ -110,6 +110,13 @@ def root_positions(propose_kwargs: dict):
     return root if rejected is None else root - rejected[:B].long()
 
 
+def output_so_far(runner, b: int, state) -> tuple:
+    """Request ``b``'s output at its new root, from inside ``propose``: the
+    committed tokens plus what this step emitted."""
+    emitted = [t for t in runner.last_sampled_token_ids[b].tolist() if t >= 0]
+    return tuple(state.output_token_ids) + tuple(emitted)
+
+
 def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             mode: str = "greedy") -> bool:
     """collective_rpc target: wrap the worker's tree drafter with the oracle.
@@ -148,9 +155,7 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             if key not in reference:
                 continue
             if mode == "trie":
-                # Output so far: committed tokens + what this step emitted.
-                emitted = [t for t in runner.last_sampled_token_ids[b].tolist() if t >= 0]
-                context = tuple(state.output_token_ids) + tuple(emitted)
+                context = output_so_far(runner, b, state)
                 tokens, parents = trie_tree(tries[key], context, len(drafts[b]))
             else:
                 root_index = int(prefix[b]) - len(state.prompt_token_ids)

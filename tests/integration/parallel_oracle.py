@@ -45,6 +45,8 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
     ``vocab`` and ``mode``: oracle.install's signature; nothing here is random.)"""
     import torch
 
+    from tests.integration.oracle import output_so_far
+
     runner = worker.model_runner
     drafter = runner.drafter
     assert drafter.tree_cfg.draft == "parallel", drafter.tree_cfg
@@ -63,9 +65,7 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             if samples is None:
                 rows = None  # not a request of the test's: the head drafts
                 break
-            # Output so far: committed tokens + what this step emitted.
-            emitted = [t for t in runner.last_sampled_token_ids[b].tolist() if t >= 0]
-            context = tuple(state.output_token_ids) + tuple(emitted)
+            context = output_so_far(runner, b, state)
             rows.append(marginal_logprobs(samples, context, self.tree_cfg.depth,
                                           draft_id, token_map.shape[0]))
         # Set every step (a step that drafts nothing leaves none behind): the root's
