@@ -26,7 +26,13 @@ DIR/served_ab.json and prints a markdown table: tok/s over all turns, its ratio
 to the first method, the per-turn ratio (mean and p10/p90), TPOT, the
 acceptance length from each server's /metrics, and how many turns returned the
 first method's text (greedy: all, for a lossless method on a batch-invariant
-machine).
+machine). For ``eagle3_tree`` servers a second table gives what a tree step
+costs: decode milliseconds per step (at concurrency 1: each turn's time after its
+first token, over the trees verified; with ``adaptive=false`` every decode step
+is a tree step), the drafting and verify-forward stages per tree from the
+server's ``stage_seconds`` counters, and the per-depth acceptance. Two fixed
+trees of one shape (same nodes, same depth) verify the same rows, so the ratio of
+their step costs is the speed ratio they would have at equal acceptance.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_treespec.assets import ensure_assets
     from vllm_treespec.bench import slug, pangu240, parse_method, split_methods
     from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
-    from vllm_treespec.bench.report import mean, pct
+    from vllm_treespec.bench.report import mean, pct, per_depth, stage_breakdown
     from vllm_treespec.bench.server import Server
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in drivers.values():
             d.run_turn(pangu240.Turn("warmup", "warmup",
                                      [{"role": "user", "content": "Say hello."}]))
-        before = {label: spec_counters(s.metrics()) for label, s in servers.items()}
+        before = {label: s.metrics() for label, s in servers.items()}
         results: dict[str, list] = {label: [] for label in servers}
         walls: dict[str, list[float]] = {label: [] for label in servers}
         n = args.concurrency
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{i + 1}/{len(rounds)} {label} {group[0].turn_id}"
                     f"{f' +{len(group) - 1}' if len(group) > 1 else ''}: {tokens} tok "
                     f"{tokens / wall:.1f} tok/s")
-        after = {label: spec_counters(s.metrics()) for label, s in servers.items()}
+        after = {label: s.metrics() for label, s in servers.items()}
     finally:
         for s in servers.values():
             s.close()
@@ -160,13 +166,26 @@ def main(argv: list[str] | None = None) -> int:
             "turn_ratio_p10": pct(ratios, 10),
             "turn_ratio_p90": pct(ratios, 90),
             "tpot_ms": 1e3 * mean([r.tpot_s for r in rs]),
-            "accept_len": accept_len_between(before[label], after[label]),
+            "accept_len": accept_len_between(spec_counters(before[label]),
+                                             spec_counters(after[label])),
             # Greedy: a lossless method returns the first method's text for every turn.
             "same_text_as_first": sum(r.text == f.text for r, f in zip(rs, results[first])),
             "turns": [{"turn": r.turn_id, "tokens": r.output_tokens, "e2e_s": r.e2e_s,
                        "ttft_s": r.ttft_s} for r in rs]}
+        trees = (spec_counters(after[label])["trees"]
+                 - spec_counters(before[label])["trees"])
+        stages = stage_breakdown(before[label], after[label], tokens)
+        if trees > 0 and stages is not None:
+            depth, size = per_depth(before[label], after[label])
+            # One request at a time: one tree per step, so decode time / trees is a step.
+            decode_s = sum(r.e2e_s - r.ttft_s for r in rs) if args.concurrency == 1 else None
+            summary["methods"][label]["tree_steps"] = {
+                "trees": trees, "mean_tree_size": size, "per_depth_acceptance": depth,
+                "decode_ms_per_step": None if decode_s is None else 1e3 * decode_s / trees,
+                "stage_ms_per_step": {k: 1e3 * v / trees for k, v in stages["seconds"].items()}}
     (out / "served_ab.json").write_text(json.dumps(summary, indent=1))
     print(table(summary, first))
+    print(step_table(summary))
     return 0
 
 
@@ -180,6 +199,24 @@ def table(summary: dict, first: str) -> str:
                      f"{m['turn_ratio_mean']:.3f} ({m['turn_ratio_p10']:.2f} / "
                      f"{m['turn_ratio_p90']:.2f}) | {m['tpot_ms']:.1f} | {acc} | "
                      f"{m['same_text_as_first']}/{len(m['turns'])} |")
+    return "\n".join(lines)
+
+
+def step_table(summary: dict) -> str:
+    """What a tree step costs, per tree method (empty without one)."""
+    rows = [(label, m["tree_steps"]) for label, m in summary["methods"].items()
+            if "tree_steps" in m]
+    if not rows:
+        return ""
+    lines = ["| method | trees | nodes | decode ms / step | draft ms / tree "
+             "| verify forward ms / tree | per-depth acceptance |",
+             "|---|---|---|---|---|---|---|"]
+    for label, t in rows:
+        st, step = t["stage_ms_per_step"], t["decode_ms_per_step"]
+        lines.append(f"| {label} | {t['trees']:.0f} | {t['mean_tree_size']:.2f} | "
+                     f"{'–' if step is None else f'{step:.2f}'} | {st['draft']:.2f} | "
+                     f"{st['verify_forward']:.2f} | "
+                     f"{' / '.join(f'{a:.2f}' for a in t['per_depth_acceptance'])} |")
     return "\n".join(lines)
 
 
