@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             summary["methods"][label]["tree_steps"] = {
                 "trees": trees, "mean_tree_size": size, "per_depth_acceptance": depth,
                 "decode_ms_per_step": None if decode_s is None else 1e3 * decode_s / trees,
-                "stage_ms_per_step": {k: 1e3 * v / trees for k, v in stages["seconds"].items()}}
+                "stage_ms_per_tree": {k: 1e3 * v / trees for k, v in stages["seconds"].items()}}
     (out / "served_ab.json").write_text(json.dumps(summary, indent=1))
     print(table(summary, first))
     print(step_table(summary))
@@ -212,7 +212,7 @@ def step_table(summary: dict) -> str:
              "| verify forward ms / tree | per-depth acceptance |",
              "|---|---|---|---|---|---|---|"]
     for label, t in rows:
-        st, step = t["stage_ms_per_step"], t["decode_ms_per_step"]
+        st, step = t["stage_ms_per_tree"], t["decode_ms_per_step"]
         lines.append(f"| {label} | {t['trees']:.0f} | {t['mean_tree_size']:.2f} | "
                      f"{'–' if step is None else f'{step:.2f}'} | {st['draft']:.2f} | "
                      f"{st['verify_forward']:.2f} | "
