@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         rs = results[label]
         tokens, seconds = sum(r.output_tokens for r in rs), sum(walls[label])
         ratios = [a / b for a, b in zip(round_rates(label), round_rates(first)) if b > 0]
+        counts0, counts1 = spec_counters(before[label]), spec_counters(after[label])
         summary["methods"][label] = {
             "speculative_config": spec, "output_tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds,
@@ -166,14 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             "turn_ratio_p10": pct(ratios, 10),
             "turn_ratio_p90": pct(ratios, 90),
             "tpot_ms": 1e3 * mean([r.tpot_s for r in rs]),
-            "accept_len": accept_len_between(spec_counters(before[label]),
-                                             spec_counters(after[label])),
+            "accept_len": accept_len_between(counts0, counts1),
             # Greedy: a lossless method returns the first method's text for every turn.
             "same_text_as_first": sum(r.text == f.text for r, f in zip(rs, results[first])),
             "turns": [{"turn": r.turn_id, "tokens": r.output_tokens, "e2e_s": r.e2e_s,
                        "ttft_s": r.ttft_s} for r in rs]}
-        trees = (spec_counters(after[label])["trees"]
-                 - spec_counters(before[label])["trees"])
+        trees = counts1["trees"] - counts0["trees"]
         stages = stage_breakdown(before[label], after[label], tokens)
         if trees > 0 and stages is not None:
             depth, size = per_depth(before[label], after[label])
