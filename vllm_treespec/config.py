@@ -31,6 +31,7 @@ DEPTH_RANGE = (1, 32)
 TOP_K_RANGE = (1, 64)
 EXEC_MODES = ("reference", "fused")
 DRAFT_MODES = ("sequential", "parallel")
+DEPTH_WEIGHT_RANGE = (0.25, 4.0)
 
 
 class TreeSpecConfigError(ValueError):
@@ -89,6 +90,7 @@ _ALLOWED = {
     "validate_invariants": "true or false",
     "adaptive": "true or false",
     "trace_dir": "a directory path (string) or null",
+    "depth_weight": "a number in [{}, {}]".format(*DEPTH_WEIGHT_RANGE),
 }
 
 
@@ -128,6 +130,12 @@ class TreeSpecConfig(BaseModel):
         ``parallel`` (one forward for the whole tree: a head trained for
         parallel drafting, P-EAGLE, gives the marginal of every depth at once,
         and the tree ranks paths by the product of the marginals).
+    depth_weight: which ``num_nodes`` candidates a dynamic tree verifies: those
+        of highest path draft probability times ``depth_weight`` per level.
+        1 is EAGLE-2's rule; a little above 1 (1.2) favours deeper nodes, which
+        accept more than their draft probability says (``benchmarks/
+        selection_replay.py``). The adaptive budget still sizes trees from the
+        draft probabilities.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -142,6 +150,7 @@ class TreeSpecConfig(BaseModel):
     trace_dir: StrictStr | None = Field(None, min_length=1)
     adaptive: StrictBool = True
     draft: Literal[DRAFT_MODES] = "sequential"  # type: ignore[valid-type]
+    depth_weight: float = Field(1.0, ge=DEPTH_WEIGHT_RANGE[0], le=DEPTH_WEIGHT_RANGE[1])
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.
@@ -149,6 +158,14 @@ class TreeSpecConfig(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise _from_validation(e) from None
+
+    @field_validator("depth_weight", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        # JSON numbers only: not true/false, not "1.2" (pydantic would coerce both).
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _fail("depth_weight", value, _ALLOWED["depth_weight"])
+        return value
 
     @field_validator("choices", mode="before")
     @classmethod
@@ -160,6 +177,9 @@ class TreeSpecConfig(BaseModel):
         if self.choices is not None and self.draft == "parallel":
             raise _fail("draft", self.draft, "'sequential' with 'choices' (a static tree "
                         "ranks children per node; parallel drafting gives one ranking per depth)")
+        if self.choices is not None and self.depth_weight != 1.0:
+            raise _fail("depth_weight", self.depth_weight, "1 with 'choices' (a static tree "
+                        "verifies all its nodes; there is nothing to rank)")
         if self.choices is not None:
             paths = self.choices
             for key, implied in (("num_nodes", len(paths)),

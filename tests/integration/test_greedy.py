@@ -62,6 +62,8 @@ def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, re
         extra = {"block_size": 16}
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=batch,
                      max_num_seqs=batch, **extra)
+    if batch == 8:  # nodes chosen by a depth-weighted rank: another tree, the same text
+        spec["engine"]["speculative_config"]["depth_weight"] = 1.3
     spec["batch"] = 1 if batch == 1 else "all"
     out = run_engine(spec, engine_dir, f"greedy_tree_b{batch}")
     assert_identical(out["outputs"], expected)

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder
 
 
-def run_dynamic(B, K, D, M, V, gen, budget=None, logprob_fn=None):
+def run_dynamic(B, K, D, M, V, gen, budget=None, logprob_fn=None, depth_weight=1.0):
     logprob_fn = logprob_fn or (lambda *shape: torch.randn(*shape, V, generator=gen)
                                 .log_softmax(-1))
-    builder = DynamicTreeBuilder(B, K, D, M, budget=budget)
+    builder = DynamicTreeBuilder(B, K, D, M, budget=budget, depth_weight=depth_weight)
     draws = [logprob_fn(B)]
     builder.first_level(draws[0])
     while not builder.done:
@@ -22,9 +22,10 @@ def run_dynamic(B, K, D, M, V, gen, budget=None, logprob_fn=None):
     return builder.finish(torch.arange(B)), draws
 
 
-def naive_dynamic(draws, b, K, D, M):
-    """Straight transcription of EAGLE-2's expand + rerank, one request."""
-    cands = []  # (score, token, parent_cand_index or None, depth)
+def naive_candidates(draws, b, K, D):
+    """EAGLE-2's expansion, one request: (score, token, parent index or None, depth)
+    per candidate, each level's frontier the K best of its candidates by score."""
+    cands = []
     lp = draws[0][b]
     top = torch.topk(lp, K)
     frontier = []
@@ -40,15 +41,22 @@ def naive_dynamic(draws, b, K, D, M):
                 level.append(len(cands) - 1)
         level.sort(key=lambda c: -cands[c][0])
         frontier = level[:K]
-    keep = sorted(sorted(range(len(cands)), key=lambda c: -cands[c][0])[:M])
-    paths = set()
-    for c in keep:
-        path, x = [], c
-        while x is not None:
-            path.append(cands[x][1])
-            x = cands[x][2]
-        paths.add(tuple(path[::-1]))
-    return paths
+    return cands
+
+
+def candidate_path(cands, c):
+    path = []
+    while c is not None:
+        path.append(cands[c][1])
+        c = cands[c][2]
+    return tuple(path[::-1])
+
+
+def naive_dynamic(draws, b, K, D, M):
+    """Straight transcription of EAGLE-2's expand + rerank, one request."""
+    cands = naive_candidates(draws, b, K, D)
+    keep = sorted(range(len(cands)), key=lambda c: -cands[c][0])[:M]
+    return {candidate_path(cands, c) for c in keep}
 
 
 def tree_paths(tree, b):
@@ -76,6 +84,60 @@ def test_dynamic_tree_matches_eagle_expand_and_rerank(K, D, data):
         s = tree.score[b]
         for i in range(1, M + 1):
             assert s[i] < s[int(tree.parent[b, i])]
+
+
+@given(K=st.integers(1, 4), D=st.integers(1, 5), w=st.sampled_from([0.5, 0.8, 1.2, 1.5, 3.0]),
+       data=st.data())
+def test_a_depth_weight_selects_the_best_ancestor_closed_nodes_by_weighted_score(K, D, w, data):
+    """With ``depth_weight`` w a node's worth is its path probability times w per
+    level, capped by its ancestors' (a node is verified only with its parent).
+    The kept nodes are the M best by that worth and form a tree: every kept node
+    is worth at least every candidate left out (within float rounding)."""
+    max_m = K + (D - 1) * K * K
+    M = data.draw(st.integers(1, max_m))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
+    B, V = 2, 11
+    tree, draws = run_dynamic(B, K, D, M, V, gen, depth_weight=w)
+    tree.validate(vocab_size=V)
+    for b in range(B):
+        cands = naive_candidates(draws, b, K, D)
+        worth = []
+        for score, _, parent, depth in cands:
+            own = score + depth * math.log(w)
+            worth.append(own if parent is None else min(own, worth[parent]))
+        paths = {candidate_path(cands, c): c for c in range(len(cands))}
+        kept = tree_paths(tree, b)
+        assert int(tree.num_nodes[b]) == M == len(kept)
+        least_kept = min(worth[paths[p]] for p in kept)
+        best_left = max((worth[c] for p, c in paths.items() if p not in kept), default=-math.inf)
+        assert least_kept >= best_left - 1e-4
+        # The tree reports the draft's own scores, not the weighted ones.
+        for i in range(1, M + 1):
+            path = tree.ancestors[b, i, 1: int(tree.depth[b, i]) + 1]
+            assert math.isclose(float(tree.score[b, i]),
+                                cands[paths[tuple(tree.token[b, path].tolist())]][0],
+                                rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_a_depth_weight_above_one_trades_a_root_child_for_a_deeper_node():
+    """Root children p = 0.5, 0.45; after the first, a child of p = 0.88 (path
+    0.44). EAGLE-2's two best nodes are the root's children; at w = 1.2 the path
+    0.44 is worth 0.44 * 1.44 = 0.63 against 0.45 * 1.2 = 0.54: the chain."""
+    V = 4
+    root = torch.tensor([[0.5, 0.45, 0.03, 0.02]]).log()
+    after = torch.tensor([[[0.88, 0.06, 0.03, 0.03], [0.25, 0.25, 0.25, 0.25]]]).log()
+    chosen = {}
+    for w in (1.0, 1.2):
+        builder = DynamicTreeBuilder(1, 2, 2, 2, depth_weight=w)
+        builder.first_level(root)
+        builder.next_level(after)
+        tree = builder.finish(torch.tensor([3]))
+        tree.validate(vocab_size=V)
+        chosen[w] = tree_paths(tree, 0)
+        # Candidates keep their draft scores whatever the weight.
+        assert torch.allclose(builder.candidate_scores()[0, :2], root[0, :2])
+    assert chosen[1.0] == {(0,), (1,)}
+    assert chosen[1.2] == {(0,), (0, 0)}
 
 
 @given(K=st.integers(1, 4), D=st.integers(1, 5), data=st.data())
@@ -279,24 +341,29 @@ def _expand(builder, root, levels, width_fn):
 
 
 @given(K=st.integers(1, 5), D=st.integers(2, 5), M_frac=st.floats(0.05, 1.0),
-       seed=st.integers(0, 2**31))
-def test_forwarding_only_selectable_nodes_keeps_the_same_tree(K, D, M_frac, seed):
+       seed=st.integers(0, 2**31), w=st.sampled_from([1.0, 0.7, 1.2, 2.0]),
+       sharp=st.sampled_from([1.0, 3.0]))
+def test_forwarding_only_selectable_nodes_keeps_the_same_tree(K, D, M_frac, seed, w, sharp):
     """Exact pruning: frontier nodes whose children cannot enter the top-M are not
-    forwarded, and the final tree is exactly the one of a full-width expansion."""
+    forwarded, and the final tree is exactly the one of a full-width expansion
+    (whatever the depth weight; ``sharp`` drafts are often sure of a token, which
+    a weight above 1 lifts above its parent)."""
     gen = torch.Generator().manual_seed(seed)
     B, V = 3, 13
     M = max(1, int(M_frac * (K + (D - 1) * K * K)))
-    root = torch.randn(B, V, generator=gen).log_softmax(-1)
+    root = (sharp * torch.randn(B, V, generator=gen)).log_softmax(-1)
     # The drafter's output after a node depends only on that node: frontier slot f
-    # of the pruned run is slot f of the full run (both sorted by score).
-    levels = [torch.randn(B, K, V, generator=gen).log_softmax(-1) for _ in range(D - 1)]
-    full, pruned = DynamicTreeBuilder(B, K, D, M), DynamicTreeBuilder(B, K, D, M)
+    # of the pruned run is slot f of the full run (both sorted by key).
+    levels = [(sharp * torch.randn(B, K, V, generator=gen)).log_softmax(-1)
+              for _ in range(D - 1)]
+    full, pruned = (DynamicTreeBuilder(B, K, D, M, depth_weight=w),
+                    DynamicTreeBuilder(B, K, D, M, depth_weight=w))
     _expand(full, root, levels, lambda b, F: F)
     widths = _expand(pruned, root, levels, lambda b, F: min(F, b.selectable_width()))
     a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
     for name in ("token", "parent", "depth", "num_nodes"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
-    if M <= K:  # nothing below depth 1 can beat the root's M best children
+    if M <= K and w <= 1:  # nothing below depth 1 can beat the root's M best children
         assert all(w <= M for w in widths)
 
 
@@ -315,3 +382,25 @@ def test_one_wide_levels_draft_the_greedy_chain(K, D, seed):
     assert tree.num_nodes.tolist() == [D] * B
     assert torch.equal(tree.token[:, 1:D + 1], expect)
     assert torch.equal(tree.parent[:, 1:D + 1], torch.arange(D).expand(B, D))
+
+
+def test_pruning_stays_exact_when_a_depth_weight_lifts_sure_children():
+    """Sure drafts (sharp distributions) under a depth weight above 1: children
+    clamped just below their parents, ties among them, frontiers that differ from
+    a by-score order. Many seeds, because any one case trips a wrong rule rarely
+    (ranking the frontier, or pruning, by the draft scores instead of the keys, or
+    leaving clamped ties to ``topk`` each break a few of these 300)."""
+    for seed in range(300):
+        gen = torch.Generator().manual_seed(seed)
+        K, D, w, B, V = 2 + seed % 3, 4, (1.2, 2.0)[seed % 2], 4, 13
+        M = 2 + seed % (K * K)
+        root = (3 * torch.randn(B, V, generator=gen)).log_softmax(-1)
+        levels = [(3 * torch.randn(B, K, V, generator=gen)).log_softmax(-1)
+                  for _ in range(D - 1)]
+        full, pruned = (DynamicTreeBuilder(B, K, D, M, depth_weight=w),
+                        DynamicTreeBuilder(B, K, D, M, depth_weight=w))
+        _expand(full, root, levels, lambda b, F: F)
+        _expand(pruned, root, levels, lambda b, F: min(F, b.selectable_width()))
+        a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
+        for name in ("token", "parent", "depth", "num_nodes"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (seed, name)

@@ -34,6 +34,12 @@ def test_defaults_are_valid_and_round_trip():
     ({"choices": [[0], [0, 1]], "num_nodes": 5}, "num_nodes", "5", "implied by 'choices'"),
     ({"choices": [[0], [0, 0]], "depth": 3}, "depth", "3", "implied by 'choices'"),
     ({"choices": [[0], [3]], "top_k": 2}, "top_k", "2", "[4, 64]"),
+    ({"depth_weight": 0.1}, "depth_weight", "0.1", "[0.25, 4.0]"),
+    ({"depth_weight": 5}, "depth_weight", "5", "[0.25, 4.0]"),
+    ({"depth_weight": float("nan")}, "depth_weight", "nan", "[0.25, 4.0]"),
+    ({"depth_weight": True}, "depth_weight", "True", "a number"),
+    ({"depth_weight": "1.2"}, "depth_weight", "'1.2'", "a number"),
+    ({"choices": [[0], [0, 0]], "depth_weight": 1.2}, "depth_weight", "1.2", "1 with 'choices'"),
 ])
 def test_each_bad_value_names_key_value_and_range(raw, key, value, allowed):
     with pytest.raises(TreeSpecConfigError) as err:

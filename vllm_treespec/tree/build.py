@@ -8,7 +8,9 @@ Dynamic trees (EAGLE-2/3): the root expands its top-k tokens; at every deeper
 level each of the k frontier nodes proposes its own top-k children, scored by
 cumulative draft log-probability, and the best k of those k*k candidates form the
 next frontier. At the end the best ``num_nodes`` of *all* candidates are kept and
-laid out in BFS order.
+laid out in BFS order. ``depth_weight`` w != 1 ranks both the frontiers and that
+final selection by path probability times w per level (w > 1 favours deeper
+trees); the scores the builder reports stay the draft's own.
 
 Static trees (Medusa/OpenPangu style, ``static``) fix the topology up front from
 a list of child-rank paths; the drafter only fills in tokens.
@@ -28,6 +30,7 @@ Everything is tensor code without host synchronisation.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -67,6 +70,19 @@ def strictly_below(parent_score: torch.Tensor, child_score: torch.Tensor) -> tor
                                                                       float("-inf"))))
 
 
+def top_by_key(key: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [B, k] of the k best entries by ``key``, ties by ``score``, then by
+    index (all along the last dim, best first).
+
+    A depth weight above 1 clamps several children to just below one parent's
+    key; among those, the draft's own preference (their scores) decides, not
+    ``topk``'s unspecified order. With keys equal to scores it is ``topk``.
+    """
+    by_score = torch.argsort(score, dim=-1, descending=True, stable=True)
+    by_key = torch.argsort(torch.gather(key, -1, by_score), dim=-1, descending=True, stable=True)
+    return torch.gather(by_score, -1, by_key[..., :k])
+
+
 @dataclasses.dataclass(frozen=True)
 class Level:
     """Nodes just added, which the drafter forwards next.
@@ -94,8 +110,9 @@ class DynamicTreeBuilder:
 
     def __init__(self, batch_size: int, top_k: int, depth: int, num_nodes: int,
                  device: torch.device | str = "cpu", budget: torch.Tensor | None = None,
-                 token_map: torch.Tensor | None = None):
+                 token_map: torch.Tensor | None = None, depth_weight: float = 1.0):
         self.B, self.k, self.depth, self.M = batch_size, top_k, depth, num_nodes
+        self.log_depth_weight = math.log(depth_weight)
         self.device = torch.device(device)
         self.token_map = token_map
         n_cand = 1 + top_k + (depth - 1) * top_k * top_k
@@ -110,13 +127,19 @@ class DynamicTreeBuilder:
         self.depths = torch.zeros_like(self.tokens)
         self.scores = torch.full((batch_size, n_cand), float("-inf"), device=self.device)
         self.scores[:, 0] = 0.0
+        # What frontiers and the final selection rank by: the score plus
+        # depth * log(depth_weight), clamped strictly below the parent's key so that
+        # the top-n stays closed under ancestors even when the weight lifts a child
+        # above its parent. Equal to ``scores`` (bit for bit) when the weight is 1.
+        self.keys = self.scores.clone()
         # The greedy chain (best child of the previous chain node, while expanded):
         # selecting only these keeps every tree a chain, which a device's causal
         # kernel verifies without tree attention.
         self.on_chain = torch.zeros(batch_size, n_cand, dtype=torch.bool, device=self.device)
         self._chain_tip = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self._frontier_id: torch.Tensor | None = None  # [B, k] candidate ids
-        self._frontier_score: torch.Tensor | None = None
+        self._frontier_score: torch.Tensor | None = None  # their draft scores
+        self._frontier_key: torch.Tensor | None = None  # their keys, descending
         self._level = 0
         self._next_free = 1
 
@@ -132,8 +155,10 @@ class DynamicTreeBuilder:
         ids = torch.arange(1, 1 + self.k, device=self.device).expand(self.B, -1)
         self.tokens[:, 1:1 + self.k] = tok
         self.scores[:, 1:1 + self.k] = score
+        self.keys[:, 1:1 + self.k] = score + self.log_depth_weight
         self.depths[:, 1:1 + self.k] = 1
         self._frontier_id, self._frontier_score = ids, score
+        self._frontier_key = score + self.log_depth_weight
         self._level, self._next_free = 1, 1 + self.k
         rows = torch.arange(self.B, device=self.device)
         self._chain_tip = 1 + score.argmax(1)
@@ -144,15 +169,15 @@ class DynamicTreeBuilder:
         """How many of the frontier's best nodes can still have a child in the
         final top-``num_nodes`` (the largest such count over the batch).
 
-        A child scores strictly below its parent, so when ``num_nodes`` candidates
-        already score at least as high as a frontier node, none of its
+        A child ranks strictly below its parent (``keys``), so when ``num_nodes``
+        candidates already rank at least as high as a frontier node, none of its
         descendants can be selected: forwarding it would be wasted drafter work.
-        The frontier is sorted by score, so the nodes worth forwarding are a
+        The frontier is sorted by key, so the nodes worth forwarding are a
         prefix of it. One host sync.
         """
-        assert self._frontier_score is not None and self._frontier_id is not None
-        cand = self.scores[:, 1:self._next_free]                                  # [B, N]
-        ahead = (cand.unsqueeze(1) >= self._frontier_score.unsqueeze(-1)).sum(-1)  # [B, k]
+        assert self._frontier_key is not None and self._frontier_id is not None
+        cand = self.keys[:, 1:self._next_free]                                    # [B, N]
+        ahead = (cand.unsqueeze(1) >= self._frontier_key.unsqueeze(-1)).sum(-1)   # [B, k]
         width = int((ahead < self.M).sum(1).max())
         # The greedy chain's tip too: a chain-only selection may keep chain nodes
         # outside the top-M, and it must not be cut short.
@@ -171,7 +196,7 @@ class DynamicTreeBuilder:
     def next_level(self, frontier_logprobs: torch.Tensor) -> Level:
         """Expand the frontier. frontier_logprobs: [B, w, V] draft log-probs after the
         first ``w <= k`` frontier nodes (in the order of the previous Level; the
-        frontier is sorted by score, so these are its w best). Nodes beyond w are
+        frontier is sorted by key, so these are its w best). Nodes beyond w are
         not expanded: their would-be children stay non-candidates."""
         assert 1 <= self._level < self.depth and self._frontier_id is not None
         k = self.k
@@ -183,6 +208,10 @@ class DynamicTreeBuilder:
         start = self._next_free
         self.tokens[:, start:start + w * k] = tok.reshape(self.B, w * k)
         self.scores[:, start:start + w * k] = cum
+        parent_key = self._frontier_key[:, :w].unsqueeze(-1).expand(-1, -1, k)
+        key = strictly_below(parent_key.reshape(self.B, w * k),
+                             cum + (self._level + 1) * self.log_depth_weight)
+        self.keys[:, start:start + w * k] = key
         self.depths[:, start:start + k * k] = self._level + 1
         self.parents[:, start:start + w * k] = (
             self._frontier_id[:, :w].unsqueeze(-1).expand(-1, -1, k).reshape(self.B, w * k))
@@ -197,9 +226,10 @@ class DynamicTreeBuilder:
         self.on_chain[rows[extended], tip[extended]] = True
         # A chain that ended stays ended (the sentinel matches no candidate id).
         self._chain_tip = torch.where(extended, tip, torch.full_like(tip, self.tokens.shape[1]))
-        best_score, best = torch.topk(cum, k, dim=-1)  # next frontier among w*k
+        best = top_by_key(key, cum, k)  # next frontier among w*k
         self._frontier_id = start + best
-        self._frontier_score = best_score
+        self._frontier_key = torch.gather(key, 1, best)
+        self._frontier_score = torch.gather(cum, 1, best)
         self._level += 1
         self._next_free = start + k * k  # ids keep the k*k layout whatever w was
         return Level(tokens=torch.gather(tok.reshape(self.B, w * k), 1, best),
@@ -239,21 +269,22 @@ class DynamicTreeBuilder:
         if budget is not None:
             self.budget = budget.to(self.device, torch.long).clamp(0, self.M)
         used = self._next_free
-        scores, tokens, parents = (self.scores[:, :used], self.tokens[:, :used],
-                                   self.parents[:, :used])
+        scores, keys, tokens, parents = (self.scores[:, :used], self.keys[:, :used],
+                                         self.tokens[:, :used], self.parents[:, :used])
         if chain_only:
             # Ancestor-closed too: a chain node's parent is on the chain.
-            scores = torch.where(self.on_chain[:, :used], scores,
-                                 torch.full_like(scores, float("-inf")))
+            keys = torch.where(self.on_chain[:, :used], keys,
+                               torch.full_like(keys, float("-inf")))
             self.budget = torch.minimum(self.budget, self.on_chain[:, :used].sum(1))
         M = min(self.M, used - 1)
         # Best M draft candidates (root excluded), then keep each request's budget;
         # never more than the real candidates (levels that forwarded fewer than k
         # nodes leave unused ids at -inf).
-        top_score, top_id = torch.topk(scores[:, 1:], M, dim=-1)
+        top_id = top_by_key(keys[:, 1:], scores[:, 1:], M)
+        top_key = torch.gather(keys[:, 1:], 1, top_id)
         top_id = top_id + 1
         rank = torch.arange(M, device=self.device).unsqueeze(0)
-        budget = torch.minimum(self.budget.clamp(max=M), torch.isfinite(top_score).sum(1))
+        budget = torch.minimum(self.budget.clamp(max=M), torch.isfinite(top_key).sum(1))
         # Sort the kept ids ascending (= BFS); dropped ones sort last.
         sentinel = torch.full_like(top_id, used)
         order_key = torch.where(rank < budget.unsqueeze(1), top_id, sentinel)
@@ -271,7 +302,7 @@ class DynamicTreeBuilder:
         node_token = torch.where(kept, torch.gather(tokens, 1, chosen_safe),
                                  torch.zeros_like(chosen))
         node_score = torch.where(kept, torch.gather(scores, 1, chosen_safe),
-                                 torch.full_like(top_score, float("-inf")))
+                                 torch.full_like(top_key, float("-inf")))
         node_depth = torch.where(kept, torch.gather(self.depths, 1, chosen_safe),
                                  torch.ones_like(chosen))
         T = 1 + self.M

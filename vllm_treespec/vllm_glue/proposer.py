@@ -113,7 +113,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                                      self._token_map())
         candidates = cfg.top_k + (depth - 1) * cfg.top_k * cfg.top_k
         return DynamicTreeBuilder(batch_size, cfg.top_k, depth, min(cfg.num_nodes, candidates),
-                                  self.device, None, self._token_map())
+                                  self.device, None, self._token_map(), cfg.depth_weight)
 
     def propose(self, *args, **kwargs) -> list[list[int]]:
         """Draft trees for this step's requests (vLLM's ``propose`` arguments).
