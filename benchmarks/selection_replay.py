@@ -10,10 +10,11 @@ accepted exactly the deepest selected node on that path. The replay compares,
 on the same steps:
 
 * ``eagle2``: the M nodes of highest path draft probability (what
-  ``eagle3_tree`` selects today);
+  ``eagle3_tree`` selects by default);
 * ``depth x g``: path draft probability times ``g`` per level (g < 1 prefers
   bushy trees, g > 1 deep ones; a power of the probabilities would not change
-  the order);
+  the order); ``eagle3_tree``'s ``depth_weight`` g, which also ranks each
+  level's frontier this way;
 * ``calibrated``: path scores from each node's measured acceptance given its
   parent was right, by depth and conditional draft probability, fitted on
   the other half of the requests (two-fold, split by request).
