@@ -22,15 +22,18 @@ def run_dynamic(B, K, D, M, V, gen, budget=None, logprob_fn=None, depth_weight=1
     return builder.finish(torch.arange(B)), draws
 
 
-def naive_candidates(draws, b, K, D):
+def naive_candidates(draws, b, K, D, w=1.0):
     """EAGLE-2's expansion, one request: (score, token, parent index or None, depth)
-    per candidate, each level's frontier the K best of its candidates by score."""
-    cands = []
+    per candidate and each candidate's worth (its score plus depth * log w, capped
+    by its parent's worth); each level's frontier the K best of its candidates by
+    worth, then score (then order: Python's sort is stable)."""
+    cands, worth = [], []
     lp = draws[0][b]
     top = torch.topk(lp, K)
     frontier = []
     for s, t in zip(top.values.tolist(), top.indices.tolist()):
         cands.append((s, t, None, 1))
+        worth.append(s + math.log(w))
         frontier.append(len(cands) - 1)
     for d in range(1, D):
         level = []
@@ -38,10 +41,11 @@ def naive_candidates(draws, b, K, D):
             top = torch.topk(draws[d][b, slot], K)
             for s, t in zip(top.values.tolist(), top.indices.tolist()):
                 cands.append((cands[f][0] + s, t, f, d + 1))
+                worth.append(min(cands[-1][0] + (d + 1) * math.log(w), worth[f]))
                 level.append(len(cands) - 1)
-        level.sort(key=lambda c: -cands[c][0])
+        level.sort(key=lambda c: (-worth[c], -cands[c][0]))
         frontier = level[:K]
-    return cands
+    return cands, worth
 
 
 def candidate_path(cands, c):
@@ -54,7 +58,7 @@ def candidate_path(cands, c):
 
 def naive_dynamic(draws, b, K, D, M):
     """Straight transcription of EAGLE-2's expand + rerank, one request."""
-    cands = naive_candidates(draws, b, K, D)
+    cands, _ = naive_candidates(draws, b, K, D)
     keep = sorted(range(len(cands)), key=lambda c: -cands[c][0])[:M]
     return {candidate_path(cands, c) for c in keep}
 
@@ -87,24 +91,25 @@ def test_dynamic_tree_matches_eagle_expand_and_rerank(K, D, data):
 
 
 @given(K=st.integers(1, 4), D=st.integers(1, 5), w=st.sampled_from([0.5, 0.8, 1.2, 1.5, 3.0]),
-       data=st.data())
-def test_a_depth_weight_selects_the_best_ancestor_closed_nodes_by_weighted_score(K, D, w, data):
+       sharp=st.sampled_from([1.0, 3.0]), data=st.data())
+def test_a_depth_weight_selects_the_best_ancestor_closed_nodes_by_weighted_score(K, D, w, sharp,
+                                                                                 data):
     """With ``depth_weight`` w a node's worth is its path probability times w per
     level, capped by its ancestors' (a node is verified only with its parent).
-    The kept nodes are the M best by that worth and form a tree: every kept node
-    is worth at least every candidate left out (within float rounding)."""
+    Frontiers are the K best by worth; the kept nodes are the M best by worth and
+    form a tree: every kept node is worth at least every candidate left out
+    (within float rounding). ``sharp`` drafts are often sure of a token, which a
+    weight above 1 lifts to its parent's cap."""
     max_m = K + (D - 1) * K * K
     M = data.draw(st.integers(1, max_m))
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31)))
     B, V = 2, 11
-    tree, draws = run_dynamic(B, K, D, M, V, gen, depth_weight=w)
+    tree, draws = run_dynamic(
+        B, K, D, M, V, gen, depth_weight=w,
+        logprob_fn=lambda *shape: (sharp * torch.randn(*shape, V, generator=gen)).log_softmax(-1))
     tree.validate(vocab_size=V)
     for b in range(B):
-        cands = naive_candidates(draws, b, K, D)
-        worth = []
-        for score, _, parent, depth in cands:
-            own = score + depth * math.log(w)
-            worth.append(own if parent is None else min(own, worth[parent]))
+        cands, worth = naive_candidates(draws, b, K, D, w)
         paths = {candidate_path(cands, c): c for c in range(len(cands))}
         kept = tree_paths(tree, b)
         assert int(tree.num_nodes[b]) == M == len(kept)
@@ -404,3 +409,14 @@ def test_pruning_stays_exact_when_a_depth_weight_lifts_sure_children():
         a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
         for name in ("token", "parent", "depth", "num_nodes"):
             assert torch.equal(getattr(a, name), getattr(b, name)), (seed, name)
+
+
+def test_a_nan_draft_row_leaves_the_first_frontier_sorted():
+    """topk ranks NaN first, and sanitising then scores it last: the root's
+    children must still come best first (``selectable_width`` forwards a prefix)."""
+    root = torch.tensor([[float("nan"), -1.0, -0.5, float("nan"), -2.0]])
+    builder = DynamicTreeBuilder(1, 4, 3, 6)
+    level = builder.first_level(root)
+    scores = builder.frontier_scores(4)[0]
+    assert torch.all(scores[:-1] >= scores[1:]), scores
+    assert level.tokens[0, :2].tolist() == [2, 1]

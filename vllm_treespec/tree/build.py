@@ -76,7 +76,7 @@ def top_by_key(key: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
 
     A depth weight above 1 clamps several children to just below one parent's
     key; among those, the draft's own preference (their scores) decides, not
-    ``topk``'s unspecified order. With keys equal to scores it is ``topk``.
+    ``topk``'s unspecified order. (Without a weight the builder calls ``topk``.)
     """
     by_score = torch.argsort(score, dim=-1, descending=True, stable=True)
     by_key = torch.argsort(torch.gather(key, -1, by_score), dim=-1, descending=True, stable=True)
@@ -151,6 +151,10 @@ class DynamicTreeBuilder:
         """Root's top-k children. root_logprobs: [B, V] draft log-probs after the root."""
         assert self._level == 0
         logp, tok = top_k_sanitized(root_logprobs, self.k, self.token_map)
+        # A NaN row's winners come first from topk but score MIN_LOGPROB once
+        # sanitised: re-sort, as the frontier must be (``selectable_width``).
+        order = torch.argsort(logp, dim=-1, descending=True, stable=True)
+        logp, tok = torch.gather(logp, 1, order), torch.gather(tok, 1, order)
         score = strictly_below(torch.zeros_like(logp), logp)
         ids = torch.arange(1, 1 + self.k, device=self.device).expand(self.B, -1)
         self.tokens[:, 1:1 + self.k] = tok
@@ -189,7 +193,7 @@ class DynamicTreeBuilder:
 
     def frontier_scores(self, width: int) -> torch.Tensor:
         """[B, width] cumulative draft log-probs of the frontier's ``width`` best
-        nodes (the ones the next level would forward)."""
+        nodes by key (the ones the next level would forward)."""
         assert self._frontier_score is not None
         return self._frontier_score[:, :width]
 
@@ -226,7 +230,7 @@ class DynamicTreeBuilder:
         self.on_chain[rows[extended], tip[extended]] = True
         # A chain that ended stays ended (the sentinel matches no candidate id).
         self._chain_tip = torch.where(extended, tip, torch.full_like(tip, self.tokens.shape[1]))
-        best = top_by_key(key, cum, k)  # next frontier among w*k
+        best = self._best(key, cum, k)  # next frontier among w*k
         self._frontier_id = start + best
         self._frontier_key = torch.gather(key, 1, best)
         self._frontier_score = torch.gather(cum, 1, best)
@@ -250,6 +254,13 @@ class DynamicTreeBuilder:
             level = self.next_level(marginals[:, d:d + 1].expand(-1, w, -1))
             d += 1
         return level
+
+    def _best(self, key: torch.Tensor, score: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices of the k best by key (``top_by_key``); without a depth weight
+        keys are the scores, and plain ``topk`` is what it always was."""
+        if self.log_depth_weight == 0.0:
+            return torch.topk(key, k, dim=-1).indices
+        return top_by_key(key, score, k)
 
     def candidate_scores(self) -> torch.Tensor:
         """[B, N] cumulative draft log-probs of all candidates so far (root excluded)."""
@@ -280,7 +291,7 @@ class DynamicTreeBuilder:
         # Best M draft candidates (root excluded), then keep each request's budget;
         # never more than the real candidates (levels that forwarded fewer than k
         # nodes leave unused ids at -inf).
-        top_id = top_by_key(keys[:, 1:], scores[:, 1:], M)
+        top_id = self._best(keys[:, 1:], scores[:, 1:], M)
         top_key = torch.gather(keys[:, 1:], 1, top_id)
         top_id = top_id + 1
         rank = torch.arange(M, device=self.device).unsqueeze(0)
