@@ -153,8 +153,8 @@ class DynamicTreeBuilder:
         logp, tok = top_k_sanitized(root_logprobs, self.k, self.token_map)
         # A NaN row's winners come first from topk but score MIN_LOGPROB once
         # sanitised: re-sort, as the frontier must be (``selectable_width``).
-        order = torch.argsort(logp, dim=-1, descending=True, stable=True)
-        logp, tok = torch.gather(logp, 1, order), torch.gather(tok, 1, order)
+        logp, order = torch.sort(logp, dim=-1, descending=True)
+        tok = torch.gather(tok, 1, order)
         score = strictly_below(torch.zeros_like(logp), logp)
         ids = torch.arange(1, 1 + self.k, device=self.device).expand(self.B, -1)
         self.tokens[:, 1:1 + self.k] = tok
