@@ -130,8 +130,9 @@ class TreeSpecConfig(BaseModel):
         ``parallel`` (one forward for the whole tree: a head trained for
         parallel drafting, P-EAGLE, gives the marginal of every depth at once,
         and the tree ranks paths by the product of the marginals).
-    depth_weight: which ``num_nodes`` candidates a dynamic tree verifies: those
-        of highest path draft probability times ``depth_weight`` per level.
+    depth_weight: which ``num_nodes`` candidates a dynamic tree verifies (and
+        which nodes each level expands): those of highest path draft
+        probability times ``depth_weight`` per level.
         1 is EAGLE-2's rule; a little above 1 (1.2) favours deeper nodes, which
         accept more than their draft probability says (``benchmarks/
         selection_replay.py``). The adaptive budget still sizes trees from the

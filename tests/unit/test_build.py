@@ -345,17 +345,11 @@ def _expand(builder, root, levels, width_fn):
     return forwarded
 
 
-@given(K=st.integers(1, 5), D=st.integers(2, 5), M_frac=st.floats(0.05, 1.0),
-       seed=st.integers(0, 2**31), w=st.sampled_from([1.0, 0.7, 1.2, 2.0]),
-       sharp=st.sampled_from([1.0, 3.0]))
-def test_forwarding_only_selectable_nodes_keeps_the_same_tree(K, D, M_frac, seed, w, sharp):
-    """Exact pruning: frontier nodes whose children cannot enter the top-M are not
-    forwarded, and the final tree is exactly the one of a full-width expansion
-    (whatever the depth weight; ``sharp`` drafts are often sure of a token, which
-    a weight above 1 lifts above its parent)."""
+def assert_pruned_tree_is_full_tree(seed, B, K, D, M, w, sharp):
+    """Build one batch twice, forwarding every frontier node and only the
+    selectable ones; the trees must be equal. Returns the pruned run's widths."""
     gen = torch.Generator().manual_seed(seed)
-    B, V = 3, 13
-    M = max(1, int(M_frac * (K + (D - 1) * K * K)))
+    V = 13
     root = (sharp * torch.randn(B, V, generator=gen)).log_softmax(-1)
     # The drafter's output after a node depends only on that node: frontier slot f
     # of the pruned run is slot f of the full run (both sorted by key).
@@ -367,7 +361,20 @@ def test_forwarding_only_selectable_nodes_keeps_the_same_tree(K, D, M_frac, seed
     widths = _expand(pruned, root, levels, lambda b, F: min(F, b.selectable_width()))
     a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
     for name in ("token", "parent", "depth", "num_nodes"):
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(getattr(a, name), getattr(b, name)), (seed, name)
+    return widths
+
+
+@given(K=st.integers(1, 5), D=st.integers(2, 5), M_frac=st.floats(0.05, 1.0),
+       seed=st.integers(0, 2**31), w=st.sampled_from([1.0, 0.7, 1.2, 2.0]),
+       sharp=st.sampled_from([1.0, 3.0]))
+def test_forwarding_only_selectable_nodes_keeps_the_same_tree(K, D, M_frac, seed, w, sharp):
+    """Exact pruning: frontier nodes whose children cannot enter the top-M are not
+    forwarded, and the final tree is exactly the one of a full-width expansion
+    (whatever the depth weight; ``sharp`` drafts are often sure of a token, which
+    a weight above 1 lifts above its parent)."""
+    M = max(1, int(M_frac * (K + (D - 1) * K * K)))
+    widths = assert_pruned_tree_is_full_tree(seed, 3, K, D, M, w, sharp)
     if M <= K and w <= 1:  # nothing below depth 1 can beat the root's M best children
         assert all(w <= M for w in widths)
 
@@ -396,19 +403,9 @@ def test_pruning_stays_exact_when_a_depth_weight_lifts_sure_children():
     (ranking the frontier, or pruning, by the draft scores instead of the keys, or
     leaving clamped ties to ``topk`` each break a few of these 300)."""
     for seed in range(300):
-        gen = torch.Generator().manual_seed(seed)
-        K, D, w, B, V = 2 + seed % 3, 4, (1.2, 2.0)[seed % 2], 4, 13
-        M = 2 + seed % (K * K)
-        root = (3 * torch.randn(B, V, generator=gen)).log_softmax(-1)
-        levels = [(3 * torch.randn(B, K, V, generator=gen)).log_softmax(-1)
-                  for _ in range(D - 1)]
-        full, pruned = (DynamicTreeBuilder(B, K, D, M, depth_weight=w),
-                        DynamicTreeBuilder(B, K, D, M, depth_weight=w))
-        _expand(full, root, levels, lambda b, F: F)
-        _expand(pruned, root, levels, lambda b, F: min(F, b.selectable_width()))
-        a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
-        for name in ("token", "parent", "depth", "num_nodes"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (seed, name)
+        K = 2 + seed % 3
+        assert_pruned_tree_is_full_tree(seed, 4, K, 4, 2 + seed % (K * K),
+                                        (1.2, 2.0)[seed % 2], 3.0)
 
 
 def test_a_nan_draft_row_leaves_the_first_frontier_sorted():

@@ -159,10 +159,10 @@ class DynamicTreeBuilder:
         ids = torch.arange(1, 1 + self.k, device=self.device).expand(self.B, -1)
         self.tokens[:, 1:1 + self.k] = tok
         self.scores[:, 1:1 + self.k] = score
-        self.keys[:, 1:1 + self.k] = score + self.log_depth_weight
+        key = score + self.log_depth_weight
+        self.keys[:, 1:1 + self.k] = key
         self.depths[:, 1:1 + self.k] = 1
-        self._frontier_id, self._frontier_score = ids, score
-        self._frontier_key = score + self.log_depth_weight
+        self._frontier_id, self._frontier_score, self._frontier_key = ids, score, key
         self._level, self._next_free = 1, 1 + self.k
         rows = torch.arange(self.B, device=self.device)
         self._chain_tip = 1 + score.argmax(1)
