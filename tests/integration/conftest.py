@@ -10,6 +10,13 @@ from pathlib import Path
 
 import pytest
 
+# The CPU runner's linear layers: "0" = vLLM's oneDNN kernels, "keep" = the W @ x^T
+# dispatchers (cpu_linear). Without a pin, a ~7 s startup probe picks per machine (the
+# dispatchers on AVX2, oneDNN on AVX-512), so a test's call path would depend on where
+# it runs. Engines pin oneDNN unless a test asks otherwise (the batch-8 greedy test and
+# the compiled frame-stack test pin the dispatchers, so both paths run everywhere).
+from vllm_treespec.vllm_glue.cpu_linear import ENV as SMALL_M_LINEAR_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE_TIMEOUT_S = 900
 
@@ -23,8 +30,9 @@ def base_engine(target: Path, **overrides) -> dict:
     return engine
 
 
-def run_engine(spec: dict, workdir: Path, name: str) -> dict:
-    """Run ``tests.integration.engine_run`` on ``spec`` in a fresh process."""
+def run_engine(spec: dict, workdir: Path, name: str, extra_env: dict | None = None) -> dict:
+    """Run ``tests.integration.engine_run`` on ``spec`` in a fresh process (``extra_env``:
+    more environment variables)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"
@@ -35,6 +43,8 @@ def run_engine(spec: dict, workdir: Path, name: str) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(ROOT),
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.setdefault(SMALL_M_LINEAR_ENV, "0")
+    env.update(extra_env or {})
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_run",
                                str(spec_path), str(out_path)], cwd=ROOT, env=env,

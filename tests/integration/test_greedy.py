@@ -12,7 +12,12 @@ import json
 
 import pytest
 
-from tests.integration.conftest import GREEDY_TOKENS, base_engine, run_engine
+from tests.integration.conftest import (
+    GREEDY_TOKENS,
+    SMALL_M_LINEAR_ENV,
+    base_engine,
+    run_engine,
+)
 from tests.integration.prompts import chat_token_ids
 
 pytestmark = pytest.mark.vllm
@@ -62,10 +67,13 @@ def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, re
         extra = {"block_size": 16}
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=batch,
                      max_num_seqs=batch, **extra)
+    kernels = {}
     if batch == 8:  # nodes chosen by a depth-weighted rank: another tree, the same text
         spec["engine"]["speculative_config"]["depth_weight"] = 1.3
+        # and every linear layer through the CPU's few-row dispatcher (conftest)
+        kernels = {SMALL_M_LINEAR_ENV: "keep"}
     spec["batch"] = 1 if batch == 1 else "all"
-    out = run_engine(spec, engine_dir, f"greedy_tree_b{batch}")
+    out = run_engine(spec, engine_dir, f"greedy_tree_b{batch}", extra_env=kernels)
     assert_identical(out["outputs"], expected)
     assert_deep_acceptance(out["tree"], min_mean=3.0)
     if batch == 1:

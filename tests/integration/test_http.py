@@ -17,6 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.integration.conftest import SMALL_M_LINEAR_ENV
 from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = pytest.mark.vllm
@@ -41,7 +42,8 @@ SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
 def start(target: Path, log: Path, spec: dict | None) -> Server:
     """The benchmark's server (same launcher), with an OpenAI client attached."""
     server = Server(str(target), SERVE_ARGS, spec, log, served_name="smollm2",
-                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")},
+                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+                         SMALL_M_LINEAR_ENV: os.environ.get(SMALL_M_LINEAR_ENV, "0")},
                     startup_timeout_s=600)
     server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300)
     return server

@@ -19,7 +19,7 @@ def test_short_soak_keeps_every_promise(tmp_path):
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "fixed", "--quiet", "4",
                "--quiet-tokens", "32",
                "--warmup", "8", "--kv-tokens", "1536", "--max-tokens-cap", "48",
-               "--invalid-trees", "3", "--out", str(tmp_path)])
+               "--invalid-trees", "3", "--eager", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert rc == 0, (tmp_path / "soak.md").read_text()
     assert result["violations"] == []
