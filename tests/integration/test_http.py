@@ -64,6 +64,9 @@ def collect(client) -> dict:
     out["logprobs"] = comp.choices[0].logprobs.token_logprobs
     out["top_logprobs"] = [sorted(d) for d in comp.choices[0].logprobs.top_logprobs]
     out["stop"] = chat(client, QUESTIONS[5], stop=["Mars", "\n\n"]).choices[0].message.content
+    # Penalties on every node of a tree (tree.penalties), greedy: the argmax must see them.
+    out["penalised"] = chat(client, QUESTIONS[5], frequency_penalty=0.8, presence_penalty=0.4,
+                            extra_body={"repetition_penalty": 1.3}).choices[0].message.content
     return out
 
 
@@ -97,6 +100,8 @@ def test_greedy_answers_equal_plain_vllm(servers):
     assert got["logprobs"] == pytest.approx(reference["logprobs"], abs=1e-3)
     assert got["stop"] == reference["stop"]
     assert "Mars" not in got["stop"]
+    assert got["penalised"] == reference["penalised"]
+    assert reference["penalised"] != reference["chat"][5]  # the penalties changed the answer
 
 
 def test_streaming_equals_non_streaming(servers):

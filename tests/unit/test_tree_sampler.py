@@ -157,3 +157,44 @@ def test_a_batch_of_sampled_trees_near_zero_temperature_accepts_the_greedy_paths
     md = _sampled_md([0.01, 0.01])
     out, _ = sample_with_trees(None, logits, spec_md, md, step, {})
     assert out.sampled_token_ids.tolist() == [[1, 4, 11], [5, 12, -1]]
+
+
+def _penalty_md(repetition, frequency, presence):
+    n = len(repetition)
+    return SimpleNamespace(
+        allowed_token_ids_mask=None, no_penalties=False,
+        prompt_token_ids=torch.tensor([[3, 7, 11, V], [2, 5, V, V]][:n]),  # V pads
+        repetition_penalties=torch.tensor(repetition), frequency_penalties=torch.tensor(frequency),
+        presence_penalties=torch.tensor(presence), output_token_ids=[[1, 12, 12], [4]][:n])
+
+
+@pytest.mark.parametrize("penalised", [[True, False], [False, True], [True, True]])
+def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penalised(penalised):
+    """Penalties go to the node rows of requests that set one, as vLLM's op gives
+    them over all rows: a neutral request's rows (1, 0, 0) come back unchanged."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    from vllm_treespec.vllm_glue.tree_sampler import _node_rows, processed_node_logits
+
+    step, _, logits = _step_and_logits(torch.float32)
+    logits[:, [3, 7, 12]] = torch.tensor([2.0, -1.5, 0.5])  # both signs on penalised tokens
+    md = _penalty_md([1.3 if p else 1.0 for p in penalised], [0.4 if p else 0.0 for p in penalised],
+                     [0.6 if p else 0.0 for p in penalised])
+    got = processed_node_logits(logits, step, md)
+    # Every row through vLLM's op: each node's output so far is its request's output
+    # plus the node's path.
+    T = step.tree.tree_size
+    outputs = []
+    for i, b in enumerate(step.req_index.tolist()):
+        for node in range(T):
+            path = step.tree.ancestors[i, node, 1: int(step.tree.depth[i, node]) + 1]
+            outputs.append(md.output_token_ids[b] + step.tree.token[i, path].tolist())
+    req_rows = step.req_index.repeat_interleave(T)
+    expected = apply_all_penalties(
+        logits[_node_rows(step).reshape(-1)].float(), md.prompt_token_ids[req_rows],
+        md.presence_penalties[req_rows], md.frequency_penalties[req_rows],
+        md.repetition_penalties[req_rows], outputs).view(got.shape)
+    assert torch.equal(got, expected)
+    raw = logits[_node_rows(step)].float()
+    for i, p in enumerate(penalised):  # the check bites: penalised rows changed
+        assert torch.equal(got[i], raw[i]) != p

@@ -15,13 +15,14 @@ from vllm_treespec.tree.accept import (
 from vllm_treespec.tree.build import DynamicTreeBuilder, Level
 from vllm_treespec.tree.mask import tree_mask
 from vllm_treespec.tree.nucleus import sample_rows, top_k_top_p_probs
+from vllm_treespec.tree.penalties import path_tokens, penalise_rows
 from vllm_treespec.tree.static import StaticTopology, StaticTreeBuilder
 from vllm_treespec.tree.tensorize import TreeBatch, TreeInvariantError
 
 __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level", "Outcome",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
-    "apply_compaction", "compaction_plan", "greedy_accept", "position_samples",
-    "position_samples_on_path", "sample_rows", "stochastic_accept", "top_k_top_p_probs",
-    "tree_mask",
+    "apply_compaction", "compaction_plan", "greedy_accept", "path_tokens", "penalise_rows",
+    "position_samples", "position_samples_on_path", "sample_rows", "stochastic_accept",
+    "top_k_top_p_probs", "tree_mask",
 ]

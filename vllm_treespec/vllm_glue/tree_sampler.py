@@ -12,7 +12,8 @@ bonus token. So in tree mode:
   trees only skips it (nothing of it would be used);
 * tree requests get their target distribution at the nodes from the same
   processing vLLM applies (allowed-token mask, repetition / frequency / presence
-  penalties over ``output + path``, temperature, top-k, top-p), then the tree
+  penalties over ``output + path``, at the tokens they change: ``tree.penalties``;
+  temperature, top-k, top-p), then the tree
   acceptance rule: greedy longest path at temperature 0, lossless multi-draft
   rejection sampling otherwise (per request, in one batch over the sampled
   trees only), which asks for the distributions of the nodes its walk reaches
@@ -33,7 +34,6 @@ import functools
 
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
-from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
 from vllm_treespec.tree import (
@@ -41,6 +41,8 @@ from vllm_treespec.tree import (
     Acceptance,
     TreeBatch,
     greedy_accept,
+    path_tokens,
+    penalise_rows,
     position_samples_on_path,
     stochastic_accept,
     top_k_top_p_probs,
@@ -115,21 +117,6 @@ def _node_rows(step: VerifyStep) -> torch.Tensor:
     return step.logit_start.unsqueeze(1) + offs
 
 
-def _paths_outputs(step: VerifyStep, output_token_ids: list[list[int]]) -> list[list[int]]:
-    """Generated-so-far token list for every node row (output + its path)."""
-    tree = step.tree
-    tokens = tree.token.tolist()
-    anc = tree.ancestors.tolist()
-    depth = tree.depth.tolist()
-    out = []
-    for i, b in enumerate(step.req_index.tolist()):
-        base = output_token_ids[b] if b < len(output_token_ids) else []
-        for node in range(tree.tree_size):
-            path = anc[i][node][1: depth[i][node] + 1]
-            out.append(base + [tokens[i][p] for p in path])
-    return out
-
-
 def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
     """[Bt, T, V] float32 logits of every node after the request's processing,
     before temperature (what greedy takes the argmax of)."""
@@ -140,11 +127,28 @@ def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.T
     if md.allowed_token_ids_mask is not None:
         x.masked_fill_(md.allowed_token_ids_mask[req_rows], float("-inf"))
     if not md.no_penalties:
-        x = apply_all_penalties(x, md.prompt_token_ids[req_rows],
-                                md.presence_penalties[req_rows],
-                                md.frequency_penalties[req_rows],
-                                md.repetition_penalties[req_rows],
-                                _paths_outputs(step, md.output_token_ids))
+        # Only the trees of requests that set a penalty (a neutral request, repetition
+        # 1 and frequency and presence 0, would come back unchanged), and only at the
+        # tokens a penalty changes (``penalise_rows``: vLLM's arithmetic, same bits).
+        idx = step.req_index
+        trees = ((md.repetition_penalties[idx] != 1) | (md.frequency_penalties[idx] != 0)
+                 | (md.presence_penalties[idx] != 0)).nonzero().squeeze(1)
+        if trees.numel():
+            V = x.shape[1]
+            reqs = idx[trees]
+            outputs = [md.output_token_ids[b] if b < len(md.output_token_ids) else []
+                       for b in reqs.tolist()]
+            width = max(map(len, outputs))
+            generated = torch.tensor([o + [V] * (width - len(o)) for o in outputs],
+                                     dtype=torch.long).view(len(outputs), width).to(x.device)
+            path = path_tokens(step.tree.take(trees), V)  # [n, T, D]
+            node_rows = (trees.unsqueeze(1) * T + torch.arange(T, device=x.device)).reshape(-1)
+            of_row = reqs.repeat_interleave(T)
+            penalise_rows(x, node_rows, md.prompt_token_ids[of_row],
+                          torch.cat([generated.repeat_interleave(T, 0),
+                                     path.reshape(-1, path.shape[2])], dim=1),
+                          md.repetition_penalties[of_row], md.frequency_penalties[of_row],
+                          md.presence_penalties[of_row])
     return x.view(Bt, T, -1)
 
 
