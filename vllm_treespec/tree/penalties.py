@@ -3,8 +3,8 @@ trees, with vLLM's semantics (``apply_penalties``), at the tokens they change.
 
 vLLM's op builds [rows, vocab] count and mask tensors for every row it is given
 and makes several passes over [rows, vocab]: one row per request on a plain step,
-but a row per node on a tree step (100 trees of 13 nodes, all penalised: 1.5 s a
-step on 2 cores). A penalty changes only the logits of tokens in a row's prompt or
+but a row per node on a tree step (100 trees of 13 nodes, all penalised: 1.4 s a
+step on 2 cores; 0.1 s here, ``benchmarks/tree_penalties_cost.py``). A penalty changes only the logits of tokens in a row's prompt or
 output (for a node: the request's output plus the node's path), so
 ``penalise_rows`` gathers those, applies vLLM's float32 arithmetic, and writes
 them back: elsewhere vLLM's op multiplies by 1 and subtracts 0.
@@ -36,7 +36,8 @@ def penalise_rows(x: torch.Tensor, rows: torch.Tensor, prompt: torch.Tensor,
     (outputs may hold -1 too, which vLLM also ignores); repetition, frequency,
     presence [R]. Each row's distinct tokens are found with one ``unique`` over
     (row, token) keys; their logits get ``x * (1 / r)`` (x > 0) or ``x * r``, then
-    ``- f * count`` and ``- p``, as in vLLM's op, so results match it bit for bit.
+    ``- f * count`` and, where the output holds the token, ``- p``: vLLM's op and
+    its float32 arithmetic, so results match it bit for bit.
     """
     V = x.shape[1]
     dev = x.device
