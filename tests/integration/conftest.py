@@ -21,6 +21,12 @@ ROOT = Path(__file__).resolve().parents[2]
 ENGINE_TIMEOUT_S = 900
 
 
+def pinned_kernels() -> dict[str, str]:
+    """The linear-kernel pin of every test engine and server (see above); a value
+    already in the environment wins."""
+    return {SMALL_M_LINEAR_ENV: os.environ.get(SMALL_M_LINEAR_ENV, "0")}
+
+
 def base_engine(target: Path, **overrides) -> dict:
     """Engine settings shared by the integration tests (fp32: greedy comparisons
     between differently shaped batches must not hinge on bf16 rounding)."""
@@ -43,8 +49,7 @@ def run_engine(spec: dict, workdir: Path, name: str, extra_env: dict | None = No
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(ROOT),
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.setdefault(SMALL_M_LINEAR_ENV, "0")
-    env.update(extra_env or {})
+    env.update(pinned_kernels(), **(extra_env or {}))
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "tests.integration.engine_run",
                                str(spec_path), str(out_path)], cwd=ROOT, env=env,

@@ -17,7 +17,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.integration.conftest import SMALL_M_LINEAR_ENV
+from tests.integration.conftest import pinned_kernels
 from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = pytest.mark.vllm
@@ -43,7 +43,7 @@ def start(target: Path, log: Path, spec: dict | None) -> Server:
     """The benchmark's server (same launcher), with an OpenAI client attached."""
     server = Server(str(target), SERVE_ARGS, spec, log, served_name="smollm2",
                     env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                         SMALL_M_LINEAR_ENV: os.environ.get(SMALL_M_LINEAR_ENV, "0")},
+                         **pinned_kernels()},
                     startup_timeout_s=600)
     server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300)
     return server

@@ -18,7 +18,7 @@ import urllib.request
 
 import pytest
 
-from tests.integration.conftest import SMALL_M_LINEAR_ENV
+from tests.integration.conftest import pinned_kernels
 from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = pytest.mark.vllm
@@ -54,7 +54,7 @@ def test_each_tree_counted_once_with_two_api_servers(target_dir, random_drafter,
             "--max-num-seqs", "4", "--compilation-config", '{"mode": 0}',
             "--api-server-count", "2"]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "VLLM_LOG_STATS_INTERVAL": "2", SMALL_M_LINEAR_ENV: "0",
+           "VLLM_LOG_STATS_INTERVAL": "2", **pinned_kernels(),
            # vLLM's per-process log prefix, uncoloured (chat_servers reads it).
            "VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_COLOR": "0"}
     log = tmp_path / "server.log"

@@ -143,7 +143,7 @@ def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.T
                                      dtype=torch.long).view(len(outputs), width).to(x.device)
             path = path_tokens(step.tree.take(trees), V)  # [n, T, D]
             node_rows = (trees.unsqueeze(1) * T + torch.arange(T, device=x.device)).reshape(-1)
-            of_row = reqs.repeat_interleave(T)
+            of_row = req_rows[node_rows]
             penalise_rows(x, node_rows, md.prompt_token_ids[of_row],
                           torch.cat([generated.repeat_interleave(T, 0),
                                      path.reshape(-1, path.shape[2])], dim=1),
