@@ -1,5 +1,6 @@
-"""The tree sampler's greedy fast path (argmax of the raw logit rows) against
-the general path (every node's logits copied and processed first)."""
+"""The tree sampler: its greedy fast path (argmax of the raw logit rows) against
+the general path; nodes processed on demand against every node processed first;
+penalties against vLLM's op; logprobs from the rows that emitted the tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytest.importorskip("vllm")
 
 from vllm_treespec.tree import TreeBatch  # noqa: E402
 from vllm_treespec.vllm_glue.tree_sampler import (  # noqa: E402
-    VerifyStep, node_probs, row_argmax, sample_with_trees)
+    NodeLogits, VerifyStep, node_probs, row_argmax, sample_with_trees)
 
 V = 16
 
@@ -198,3 +199,94 @@ def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penali
     raw = logits[_node_rows(step)].float()
     for i, p in enumerate(penalised):  # the check bites: penalised rows changed
         assert torch.equal(got[i], raw[i]) != p
+
+
+class _WholeTable:
+    """The reference for ``NodeLogits``: every node of every tree processed up front."""
+
+    def __init__(self, logits, step, md):
+        self.table = NodeLogits(logits, step, md).of_trees()  # the real class, not the patch
+
+    def __getitem__(self, index):
+        return self.table[index]
+
+    def of_trees(self, trees=None):
+        return self.table if trees is None else self.table[trees]
+
+
+@pytest.mark.parametrize("temperature,seeds", [([0.0, 0.9], {}), ([0.9, 0.8], {1: 77}),
+                                               ([0.0, 0.9], {1: 5}), ([0.9, 0.8], {})])
+def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypatch, temperature,
+                                                                       seeds):
+    """Penalties and an allowed-token mask applied to the nodes a step reads only
+    (greedy trees: all; sampled: their walk's) give the tokens that processing
+    every node first gives, for every mix of greedy, sampled and seeded trees."""
+    from vllm_treespec.vllm_glue import tree_sampler
+
+    step, spec_md, logits = _step_and_logits(torch.float32)
+    logits[:, :8] /= 6  # flat enough that the draws decide
+    mask = torch.zeros(2, V, dtype=torch.bool)
+    mask[:, 13:] = True
+    md = SimpleNamespace(**vars(_penalty_md([1.4, 1.2], [0.3, 0.5], [0.5, 0.0])),
+                         all_greedy=False, max_num_logprobs=None,
+                         temperature=torch.tensor(temperature), top_k=torch.tensor([V, 6]),
+                         top_p=torch.tensor([0.95, 0.9]))
+    md.allowed_token_ids_mask = mask
+    asked = []
+    whole = tree_sampler.NodeLogits.__getitem__
+
+    def counting(self, index):
+        asked.extend(zip(index[0].tolist(), index[1].tolist()))
+        return whole(self, index)
+
+    for draw in range(6):
+        torch.manual_seed(draw)
+        asked.clear()
+        monkeypatch.setattr(tree_sampler.NodeLogits, "__getitem__", counting)
+        out, acc = sample_with_trees(None, logits, spec_md, md, step, seeds)
+        monkeypatch.undo()
+        torch.manual_seed(draw)
+        monkeypatch.setattr(tree_sampler, "NodeLogits", _WholeTable)
+        ref, ref_acc = sample_with_trees(None, logits, spec_md, md, step, seeds)
+        monkeypatch.undo()
+        assert out.sampled_token_ids.tolist() == ref.sampled_token_ids.tolist()
+        assert torch.equal(acc.path, ref_acc.path)
+        for i, t in enumerate(temperature):  # sampled trees: their path's nodes only
+            nodes = {n for row, n in asked if row == i}
+            if t > 0:
+                assert nodes == set(acc.path[i].tolist())
+            else:
+                assert nodes == set(range(step.tree.tree_size))
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logprobs"])
+def test_logprobs_come_from_the_node_rows_that_emitted_the_tokens(mode):
+    """Each emitted token's logprobs: its node's row (processed: after penalties),
+    as read from the whole table of processed nodes."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from vllm_treespec.tree import greedy_accept
+    from vllm_treespec.vllm_glue.tree_sampler import _logprobs, _node_rows
+
+    step, _, logits = _step_and_logits(torch.float32)
+    md = SimpleNamespace(**vars(_penalty_md([1.5, 1.0], [0.7, 0.0], [0.2, 0.0])),
+                         max_num_logprobs=2)
+    table = NodeLogits(logits, step, md).of_trees()
+    acc = greedy_accept(step.tree, table.argmax(-1))
+    width, K1 = acc.tokens.shape[1], 3
+    base = SimpleNamespace(logprobs_tensors=(torch.zeros(2, K1, dtype=torch.long),
+                                             torch.zeros(2, K1), torch.zeros(2, dtype=torch.long)))
+    sampler = Sampler(logprobs_mode=mode)
+    got = _logprobs(sampler, logits, NodeLogits(logits, step, md), step, md, acc, base, width)
+    rows = torch.gather(_node_rows(step), 1, acc.path).reshape(-1)
+    src = table[torch.arange(2).repeat_interleave(width), acc.path.reshape(-1)] \
+        if mode.startswith("processed") else logits[rows]
+    if mode.endswith("logprobs"):
+        src = src.log_softmax(-1)
+    want = Sampler.gather_logprobs(src, 2, acc.tokens.reshape(-1).clamp_min(0))
+    assert torch.equal(got.logprobs, want.logprobs)
+    assert torch.equal(got.logprob_token_ids, want.logprob_token_ids)
+    if mode.startswith("processed"):  # the penalties show, so the row choice is checked
+        raw = Sampler.gather_logprobs(logits[rows].log_softmax(-1), 2,
+                                      acc.tokens.reshape(-1).clamp_min(0))
+        assert not torch.equal(got.logprobs, raw.logprobs)

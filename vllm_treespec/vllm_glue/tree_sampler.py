@@ -14,11 +14,12 @@ bonus token. So in tree mode:
   processing vLLM applies (allowed-token mask, repetition / frequency / presence
   penalties over ``output + path``, at the tokens they change: ``tree.penalties``;
   temperature, top-k, top-p), then the tree
-  acceptance rule: greedy longest path at temperature 0, lossless multi-draft
-  rejection sampling otherwise (per request, in one batch over the sampled
-  trees only), which asks for the distributions of the nodes its walk reaches
-  only (``node_probs``); seeded requests sample with their positions' noise,
-  again only at the nodes on the path their samples choose;
+  acceptance rule: greedy longest path at temperature 0 (every node's argmax),
+  lossless multi-draft rejection sampling otherwise (per request, in one batch
+  over the sampled trees only), which processes and asks for the distributions
+  of the nodes its walk reaches only (``NodeLogits``, ``node_probs``); seeded
+  requests sample with their positions' noise, again only at the nodes on the
+  path their samples choose;
 * logprobs of emitted tokens come from the node rows that produced them.
 
 Requests whose sampling parameters need processing not listed above (min-p,
@@ -117,39 +118,69 @@ def _node_rows(step: VerifyStep) -> torch.Tensor:
     return step.logit_start.unsqueeze(1) + offs
 
 
+class NodeLogits:
+    """Target logits of tree nodes after the request's processing (allowed-token
+    mask; penalties over output + path, at the tokens they change), before
+    temperature: what greedy takes the argmax of. ``self[trees, nodes]`` ->
+    [n, V] float32 for node ``nodes[i]`` of tree ``trees[i]``, computed for the
+    nodes asked for only: a sampled tree's walk reads at most depth + 1 of its
+    nodes, and copying every node's row costs ~90 ms a step for 100 trees of 13
+    nodes here. Indexed like the [Bt, T, V] table it stands for
+    (``processed_node_logits``), so ``node_probs`` takes either."""
+
+    def __init__(self, logits: torch.Tensor, step: VerifyStep, md):
+        self.logits, self.step, self.md = logits, step, md
+
+    def __getitem__(self, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        trees, nodes = index
+        x = self.logits[_node_rows(self.step)[trees, nodes]].float()  # a copy: ours to edit
+        md = self.md
+        reqs = self.step.req_index[trees]
+        if md.allowed_token_ids_mask is not None:
+            x.masked_fill_(md.allowed_token_ids_mask[reqs], float("-inf"))
+        if not md.no_penalties:
+            penalised, slot, generated, path = self._penalty_inputs
+            at = penalised[trees].nonzero().squeeze(1)
+            if at.numel():
+                t, r = trees[at], reqs[at]
+                penalise_rows(x, at, md.prompt_token_ids[r],
+                              torch.cat([generated[slot[t]], path[t, nodes[at]]], dim=1),
+                              md.repetition_penalties[r], md.frequency_penalties[r],
+                              md.presence_penalties[r])
+        return x
+
+    def of_trees(self, trees: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(trees), T, V] every node of trees ``trees`` (all if None)."""
+        T = self.step.tree.tree_size
+        if trees is None:
+            trees = torch.arange(self.step.tree.batch_size, device=self.logits.device)
+        nodes = torch.arange(T, device=self.logits.device).repeat(len(trees))
+        return self[trees.repeat_interleave(T), nodes].view(len(trees), T, -1)
+
+    @functools.cached_property
+    def _penalty_inputs(self):
+        """Per tree: whether its request sets a penalty (a neutral one, repetition
+        1 and frequency and presence 0, would come back unchanged); its row of
+        ``generated`` (the output so far, padded with V; penalised trees only);
+        its nodes' path tokens [Bt, T, D]."""
+        md, idx = self.md, self.step.req_index
+        V = self.logits.shape[1]
+        penalised = ((md.repetition_penalties[idx] != 1) | (md.frequency_penalties[idx] != 0)
+                     | (md.presence_penalties[idx] != 0))
+        trees = penalised.nonzero().squeeze(1)
+        slot = torch.full_like(idx, -1)
+        slot[trees] = torch.arange(len(trees), device=idx.device)
+        outputs = [md.output_token_ids[b] if b < len(md.output_token_ids) else []
+                   for b in idx[trees].tolist()]
+        width = max(map(len, outputs), default=0)
+        generated = torch.tensor([o + [V] * (width - len(o)) for o in outputs],
+                                 dtype=torch.long).view(len(outputs), width).to(idx.device)
+        return penalised, slot, generated, path_tokens(self.step.tree, V)
+
+
 def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
-    """[Bt, T, V] float32 logits of every node after the request's processing,
-    before temperature (what greedy takes the argmax of)."""
-    Bt, T = step.tree.batch_size, step.tree.tree_size
-    rows = _node_rows(step).reshape(-1)
-    x = logits[rows].float()  # [Bt*T, V]
-    req_rows = step.req_index.repeat_interleave(T)
-    if md.allowed_token_ids_mask is not None:
-        x.masked_fill_(md.allowed_token_ids_mask[req_rows], float("-inf"))
-    if not md.no_penalties:
-        # Only the trees of requests that set a penalty (a neutral request, repetition
-        # 1 and frequency and presence 0, would come back unchanged), and only at the
-        # tokens a penalty changes (``penalise_rows``: vLLM's arithmetic, same bits).
-        idx = step.req_index
-        trees = ((md.repetition_penalties[idx] != 1) | (md.frequency_penalties[idx] != 0)
-                 | (md.presence_penalties[idx] != 0)).nonzero().squeeze(1)
-        if trees.numel():
-            V = x.shape[1]
-            reqs = idx[trees]
-            outputs = [md.output_token_ids[b] if b < len(md.output_token_ids) else []
-                       for b in reqs.tolist()]
-            width = max(map(len, outputs))
-            generated = torch.tensor([o + [V] * (width - len(o)) for o in outputs],
-                                     dtype=torch.long).view(len(outputs), width).to(x.device)
-            path = path_tokens(step.tree.take(trees), V)  # [n, T, D]
-            node_rows = (trees.unsqueeze(1) * T + torch.arange(T, device=x.device)).reshape(-1)
-            of_row = req_rows[node_rows]
-            penalise_rows(x, node_rows, md.prompt_token_ids[of_row],
-                          torch.cat([generated.repeat_interleave(T, 0),
-                                     path.reshape(-1, path.shape[2])], dim=1),
-                          md.repetition_penalties[of_row], md.frequency_penalties[of_row],
-                          md.presence_penalties[of_row])
-    return x.view(Bt, T, -1)
+    """[Bt, T, V] every node's ``NodeLogits``."""
+    return NodeLogits(logits, step, md).of_trees()
 
 
 def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor,
@@ -253,33 +284,42 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
         num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
         first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
         base = sampler(logits=logits[first_rows], sampling_metadata=md)
-    # 2. Tree requests: node distributions and acceptance.
-    processed = processed_node_logits(logits, step, md)
+    # 2. Tree requests: node distributions and acceptance. Greedy trees take the
+    #    argmax of every node; sampled ones read their walk's nodes only.
+    node_logits = NodeLogits(logits, step, md)
+    Bt = step.tree.batch_size
     greedy = md.temperature[step.req_index] < SAMPLING_EPS if md.temperature is not None \
-        else torch.ones(step.tree.batch_size, dtype=torch.bool, device=dev)
-    acc = greedy_accept(step.tree, row_argmax(processed))
-    if not bool(greedy.all()):
-        # Sampled trees only: a greedy tree's walk would sort its rows for top-p
-        # and be thrown away. Seeded ones accept by their positions' noise.
-        probs = functools.partial(node_probs, processed, step, md)
+        else torch.ones(Bt, dtype=torch.bool, device=dev)
+    if bool(greedy.all()):
+        acc = greedy_accept(step.tree, row_argmax(node_logits.of_trees()))
+    else:
+        probs = functools.partial(node_probs, node_logits, step, md)
         sampled = [(i, seeds.get(b)) for i, (b, g) in
                    enumerate(zip(step.req_index.tolist(), greedy.tolist())) if not g]
         unseeded = [i for i, seed in sampled if seed is None]
-        if len(unseeded) == step.tree.batch_size:  # every tree (batch 1's case)
+        if len(unseeded) == Bt:  # every tree (batch 1's case)
             acc = stochastic_accept(step.tree, probs)
-        elif unseeded:
-            rows = torch.tensor(unseeded, device=dev)
-            walked = stochastic_accept(step.tree.take(rows),
-                                       lambda r, nodes: probs(rows[r], nodes))
-            acc = acc.put(rows, walked)
+        else:
+            # A result of the right shape (nothing accepted); every row is replaced
+            # below: greedy, unseeded and seeded trees cover the batch.
+            acc = greedy_accept(step.tree, torch.full_like(step.tree.token, -1))
+            rows = greedy.nonzero().squeeze(1)
+            if rows.numel():
+                acc = acc.put(rows, greedy_accept(step.tree.take(rows),
+                                                  row_argmax(node_logits.of_trees(rows))))
+            if unseeded:
+                rows = torch.tensor(unseeded, device=dev)
+                walked = stochastic_accept(step.tree.take(rows),
+                                           lambda r, nodes: probs(rows[r], nodes))
+                acc = acc.put(rows, walked)
         seeded = [(i, seed) for i, seed in sampled if seed is not None]
         if seeded:
             acc = _seeded_acceptance(step, seeded, functools.partial(probs, as_vllm=True),
-                                     processed.shape[-1], acc)
+                                     logits.shape[-1], acc)
     logprobs = None
     if base is not None and md.max_num_logprobs is not None \
             and base.logprobs_tensors is not None:
-        logprobs = _logprobs(sampler, logits, processed, step, md, acc, base,
+        logprobs = _logprobs(sampler, logits, node_logits, step, md, acc, base,
                              acc.tokens.shape[1])
     return _output(num_reqs, base, step, acc, logprobs)
 
@@ -300,7 +340,8 @@ def _output(num_reqs: int, base, step: VerifyStep, acc: Acceptance,
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs), acc
 
 
-def _logprobs(sampler, logits, processed, step, md, acc, base, width) -> LogprobsTensors:
+def _logprobs(sampler, logits, node_logits: NodeLogits, step, md, acc, base,
+              width) -> LogprobsTensors:
     """Per emitted token: logprobs from the node row that produced it."""
     num_reqs = step.num_reqs
     b_ids, b_lp, b_rank = base.logprobs_tensors[:3]
@@ -313,10 +354,8 @@ def _logprobs(sampler, logits, processed, step, md, acc, base, width) -> Logprob
     mode = sampler.logprobs_mode
     rows = torch.gather(_node_rows(step), 1, acc.path)                  # [Bt, width]
     if mode.startswith("processed"):
-        src = processed.view(Bt * step.tree.tree_size, -1)
-        src_rows = (torch.arange(Bt, device=rows.device).unsqueeze(1) * step.tree.tree_size
-                    + acc.path).reshape(-1)
-        x = src[src_rows]
+        trees = torch.arange(Bt, device=rows.device).repeat_interleave(width)
+        x = node_logits[trees, acc.path.reshape(-1)]
     else:
         x = logits[rows.reshape(-1)].float()
     if not mode.endswith("logits"):
