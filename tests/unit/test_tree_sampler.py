@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from vllm_treespec.tree import TreeBatch  # noqa: E402
+from vllm_treespec.tree import TreeBatch, greedy_accept  # noqa: E402
 from vllm_treespec.vllm_glue.tree_sampler import (  # noqa: E402
     NodeLogits, VerifyStep, node_probs, row_argmax, sample_with_trees)
 
@@ -128,7 +128,7 @@ def test_a_mixed_batch_walks_only_its_sampled_trees(monkeypatch):
 
 
 def test_a_seeded_tree_asks_only_for_its_path_and_accepts_as_every_node_sampled(monkeypatch):
-    from vllm_treespec.tree import greedy_accept, position_samples
+    from vllm_treespec.tree import position_samples
     from vllm_treespec.vllm_glue.tree_sampler import (_position_noise, node_table,
                                                       processed_node_logits)
 
@@ -251,26 +251,68 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
         monkeypatch.undo()
         assert out.sampled_token_ids.tolist() == ref.sampled_token_ids.tolist()
         assert torch.equal(acc.path, ref_acc.path)
+        greedy = greedy_accept(step.tree, _WholeTable(logits, step, md).table.argmax(-1))
         for i, t in enumerate(temperature):  # sampled trees: their path's nodes only
             nodes = {n for row, n in asked if row == i}
             if t > 0:
                 assert nodes == set(acc.path[i].tolist())
             else:
                 assert nodes == set(range(step.tree.tree_size))
+                assert acc.tokens[i].tolist() == greedy.tokens[i].tolist()
+
+
+def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
+    """Trees on batch rows 2 and 0 (row 1 decodes without a tree): each node's
+    logits are its own request's, masked and penalised as vLLM's op does them."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    from vllm_treespec.vllm_glue.tree_sampler import _node_rows
+
+    tree = TreeBatch.from_parents([[9, 1, 2, 3, 4], [9, 5, 6]],
+                                  [[0, 0, 0, 0, 1], [0, 0, 1]], tree_size=5, max_children=3)
+    step = VerifyStep(req_index=torch.tensor([2, 0]), tree=tree,
+                      prefix_len=torch.tensor([10, 20]), token_start=torch.tensor([1, 6]),
+                      logit_start=torch.tensor([1, 6]), num_reqs=3)
+    logits = torch.randn(11, V, generator=torch.Generator().manual_seed(2))
+    mask = torch.zeros(3, V, dtype=torch.bool)
+    mask[2, 14:] = True
+    md = SimpleNamespace(
+        allowed_token_ids_mask=mask, no_penalties=False,
+        prompt_token_ids=torch.tensor([[3, 7, V], [2, 5, 8], [1, 6, V]]),
+        repetition_penalties=torch.tensor([1.3, 1.6, 1.0]),
+        frequency_penalties=torch.tensor([0.4, 0.1, 0.0]),
+        presence_penalties=torch.tensor([0.6, 0.0, 0.0]),
+        output_token_ids=[[1, 12, 12], [4, 4], [7]])
+    trees, nodes = torch.tensor([1, 0, 0, 1, 0]), torch.tensor([2, 4, 0, 1, 3])
+    got = NodeLogits(logits, step, md)[trees, nodes]
+    reqs = step.req_index[trees]
+    outputs = []
+    for i, node in zip(trees.tolist(), nodes.tolist()):
+        path = tree.ancestors[i, node, 1: int(tree.depth[i, node]) + 1]
+        outputs.append(md.output_token_ids[int(step.req_index[i])] + tree.token[i, path].tolist())
+    x = logits[_node_rows(step)[trees, nodes]].masked_fill(mask[reqs], float("-inf"))
+    want = apply_all_penalties(x, md.prompt_token_ids[reqs], md.presence_penalties[reqs],
+                               md.frequency_penalties[reqs], md.repetition_penalties[reqs],
+                               outputs)
+    assert torch.equal(got, want)
+    assert not torch.equal(got[0], logits[_node_rows(step)[1, 2]])  # request 0: penalised
+    assert bool(torch.isinf(got[[1, 2, 4]]).any())  # request 2: masked
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logprobs"])
 def test_logprobs_come_from_the_node_rows_that_emitted_the_tokens(mode):
-    """Each emitted token's logprobs: its node's row (processed: after penalties),
-    as read from the whole table of processed nodes."""
+    """Each emitted token's logprobs: its node's row, raw or processed as vLLM's
+    samplers process it (penalties; a sampled request's temperature, top-k and
+    top-p too), as read from the whole table of processed nodes."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_treespec.tree import greedy_accept
     from vllm_treespec.vllm_glue.tree_sampler import _logprobs, _node_rows
 
     step, _, logits = _step_and_logits(torch.float32)
-    md = SimpleNamespace(**vars(_penalty_md([1.5, 1.0], [0.7, 0.0], [0.2, 0.0])),
-                         max_num_logprobs=2)
+    md = SimpleNamespace(**vars(_penalty_md([1.5, 1.3], [0.7, 0.4], [0.2, 0.3])),
+                         max_num_logprobs=2, temperature=torch.tensor([0.8, 0.0]),
+                         top_k=torch.tensor([4, V]), top_p=torch.tensor([0.9, 1.0]))
     table = NodeLogits(logits, step, md).of_trees()
     acc = greedy_accept(step.tree, table.argmax(-1))
     width, K1 = acc.tokens.shape[1], 3
@@ -279,14 +321,22 @@ def test_logprobs_come_from_the_node_rows_that_emitted_the_tokens(mode):
     sampler = Sampler(logprobs_mode=mode)
     got = _logprobs(sampler, logits, NodeLogits(logits, step, md), step, md, acc, base, width)
     rows = torch.gather(_node_rows(step), 1, acc.path).reshape(-1)
-    src = table[torch.arange(2).repeat_interleave(width), acc.path.reshape(-1)] \
-        if mode.startswith("processed") else logits[rows]
+    if mode.startswith("processed"):  # tree 0 sampled: vLLM's temperature, top-k, top-p
+        src = table[torch.arange(2).repeat_interleave(width), acc.path.reshape(-1)]
+        src[:width] = apply_top_k_top_p(src[:width] / 0.8, torch.full((width,), 4),
+                                        torch.full((width,), 0.9))
+        assert bool(torch.isinf(src[:width]).any())  # the cut shows in what is compared
+    else:
+        src = logits[rows]
     if mode.endswith("logprobs"):
         src = src.log_softmax(-1)
-    want = Sampler.gather_logprobs(src, 2, acc.tokens.reshape(-1).clamp_min(0))
+    tokens = acc.tokens.reshape(-1).clamp_min(0)
+    want = Sampler.gather_logprobs(src, 2, tokens)
     assert torch.equal(got.logprobs, want.logprobs)
     assert torch.equal(got.logprob_token_ids, want.logprob_token_ids)
-    if mode.startswith("processed"):  # the penalties show, so the row choice is checked
-        raw = Sampler.gather_logprobs(logits[rows].log_softmax(-1), 2,
-                                      acc.tokens.reshape(-1).clamp_min(0))
-        assert not torch.equal(got.logprobs, raw.logprobs)
+    if mode.startswith("processed"):  # the processing shows, so the check bites
+        raw = Sampler.gather_logprobs(logits[rows].log_softmax(-1), 2, tokens)
+        assert not torch.equal(got.logprobs[width:], raw.logprobs[width:])  # penalties
+        unscaled = Sampler.gather_logprobs(table[0, acc.path[0]].log_softmax(-1), 2,
+                                           tokens[:width])
+        assert not torch.equal(got.logprobs[:width], unscaled.logprobs)  # temperature

@@ -355,7 +355,7 @@ def _logprobs(sampler, logits, node_logits: NodeLogits, step, md, acc, base,
     rows = torch.gather(_node_rows(step), 1, acc.path)                  # [Bt, width]
     if mode.startswith("processed"):
         trees = torch.arange(Bt, device=rows.device).repeat_interleave(width)
-        x = node_logits[trees, acc.path.reshape(-1)]
+        x = _as_sampled(node_logits[trees, acc.path.reshape(-1)], step, md, trees)
     else:
         x = logits[rows.reshape(-1)].float()
     if not mode.endswith("logits"):
@@ -366,3 +366,21 @@ def _logprobs(sampler, logits, node_logits: NodeLogits, step, md, acc, base,
     lps[step.req_index] = t.logprobs.view(Bt, width, K1).to(lps.dtype)
     ranks[step.req_index] = t.selected_token_ranks.view(Bt, width).to(ranks.dtype)
     return LogprobsTensors(ids.view(-1, K1), lps.view(-1, K1), ranks.view(-1))
+
+
+def _as_sampled(x: torch.Tensor, step: VerifyStep, md, trees: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` of trees ``trees`` as vLLM's sampler and rejection sampler hand
+    them to processed logprobs: a sampled request's after temperature, top-k and
+    top-p; a greedy one's as they are (an all-greedy batch's; in a mixed batch
+    vLLM also applies a greedy request's own top-k / top-p, rarely set)."""
+    if md.temperature is None:
+        return x
+    idx = step.req_index[trees]
+    temperature = md.temperature[idx].float()
+    at = (temperature >= SAMPLING_EPS).nonzero().squeeze(1)
+    if at.numel():
+        r = idx[at]
+        x[at] = apply_top_k_top_p(x[at] / temperature[at].unsqueeze(1),
+                                  md.top_k[r] if md.top_k is not None else None,
+                                  md.top_p[r] if md.top_p is not None else None)
+    return x
