@@ -160,6 +160,27 @@ def test_a_batch_of_sampled_trees_near_zero_temperature_accepts_the_greedy_paths
     assert out.sampled_token_ids.tolist() == [[1, 4, 11], [5, 12, -1]]
 
 
+def _vllm_processed(logits, step, md, trees, nodes):
+    """Node ``nodes[i]`` of tree ``trees[i]`` through vLLM's own processing: its
+    request's allowed-token mask, then ``apply_all_penalties`` with the node's
+    output so far (the request's output plus the node's path)."""
+    from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+    from vllm_treespec.vllm_glue.tree_sampler import _node_rows
+
+    tree, reqs = step.tree, step.req_index[trees]
+    outputs = []
+    for i, node in zip(trees.tolist(), nodes.tolist()):
+        path = tree.ancestors[i, node, 1: int(tree.depth[i, node]) + 1]
+        outputs.append(md.output_token_ids[int(step.req_index[i])] + tree.token[i, path].tolist())
+    x = logits[_node_rows(step)[trees, nodes]].float()
+    if md.allowed_token_ids_mask is not None:
+        x = x.masked_fill(md.allowed_token_ids_mask[reqs], float("-inf"))
+    return apply_all_penalties(x, md.prompt_token_ids[reqs], md.presence_penalties[reqs],
+                               md.frequency_penalties[reqs], md.repetition_penalties[reqs],
+                               outputs)
+
+
 def _penalty_md(repetition, frequency, presence):
     n = len(repetition)
     return SimpleNamespace(
@@ -173,8 +194,6 @@ def _penalty_md(repetition, frequency, presence):
 def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penalised(penalised):
     """Penalties go to the node rows of requests that set one, as vLLM's op gives
     them over all rows: a neutral request's rows (1, 0, 0) come back unchanged."""
-    from vllm.v1.sample.ops.penalties import apply_all_penalties
-
     from vllm_treespec.vllm_glue.tree_sampler import _node_rows, processed_node_logits
 
     step, _, logits = _step_and_logits(torch.float32)
@@ -182,19 +201,9 @@ def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penali
     md = _penalty_md([1.3 if p else 1.0 for p in penalised], [0.4 if p else 0.0 for p in penalised],
                      [0.6 if p else 0.0 for p in penalised])
     got = processed_node_logits(logits, step, md)
-    # Every row through vLLM's op: each node's output so far is its request's output
-    # plus the node's path.
-    T = step.tree.tree_size
-    outputs = []
-    for i, b in enumerate(step.req_index.tolist()):
-        for node in range(T):
-            path = step.tree.ancestors[i, node, 1: int(step.tree.depth[i, node]) + 1]
-            outputs.append(md.output_token_ids[b] + step.tree.token[i, path].tolist())
-    req_rows = step.req_index.repeat_interleave(T)
-    expected = apply_all_penalties(
-        logits[_node_rows(step).reshape(-1)].float(), md.prompt_token_ids[req_rows],
-        md.presence_penalties[req_rows], md.frequency_penalties[req_rows],
-        md.repetition_penalties[req_rows], outputs).view(got.shape)
+    Bt, T = step.tree.batch_size, step.tree.tree_size
+    expected = _vllm_processed(logits, step, md, torch.arange(Bt).repeat_interleave(T),
+                               torch.arange(T).repeat(Bt)).view(got.shape)
     assert torch.equal(got, expected)
     raw = logits[_node_rows(step)].float()
     for i, p in enumerate(penalised):  # the check bites: penalised rows changed
@@ -264,8 +273,6 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
 def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
     """Trees on batch rows 2 and 0 (row 1 decodes without a tree): each node's
     logits are its own request's, masked and penalised as vLLM's op does them."""
-    from vllm.v1.sample.ops.penalties import apply_all_penalties
-
     from vllm_treespec.vllm_glue.tree_sampler import _node_rows
 
     tree = TreeBatch.from_parents([[9, 1, 2, 3, 4], [9, 5, 6]],
@@ -285,16 +292,7 @@ def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
         output_token_ids=[[1, 12, 12], [4, 4], [7]])
     trees, nodes = torch.tensor([1, 0, 0, 1, 0]), torch.tensor([2, 4, 0, 1, 3])
     got = NodeLogits(logits, step, md)[trees, nodes]
-    reqs = step.req_index[trees]
-    outputs = []
-    for i, node in zip(trees.tolist(), nodes.tolist()):
-        path = tree.ancestors[i, node, 1: int(tree.depth[i, node]) + 1]
-        outputs.append(md.output_token_ids[int(step.req_index[i])] + tree.token[i, path].tolist())
-    x = logits[_node_rows(step)[trees, nodes]].masked_fill(mask[reqs], float("-inf"))
-    want = apply_all_penalties(x, md.prompt_token_ids[reqs], md.presence_penalties[reqs],
-                               md.frequency_penalties[reqs], md.repetition_penalties[reqs],
-                               outputs)
-    assert torch.equal(got, want)
+    assert torch.equal(got, _vllm_processed(logits, step, md, trees, nodes))
     assert not torch.equal(got[0], logits[_node_rows(step)[1, 2]])  # request 0: penalised
     assert bool(torch.isinf(got[[1, 2, 4]]).any())  # request 2: masked
 

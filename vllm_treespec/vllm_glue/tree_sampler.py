@@ -195,10 +195,7 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor
     row by row on the CPU; where it picks a kernel by row count (CUDA: Triton
     from 8 rows), a top-p boundary may round differently, as between vLLM's own
     batch sizes."""
-    idx = step.req_index[rows]
-    x = processed[rows, nodes] / md.temperature[idx].float().clamp_min(SAMPLING_EPS).unsqueeze(1)
-    k = md.top_k[idx] if md.top_k is not None else None
-    p = md.top_p[idx] if md.top_p is not None else None
+    x, k, p = _scaled(processed[rows, nodes], md, step.req_index[rows])
     if as_vllm:
         return torch.softmax(apply_top_k_top_p(x, k, p), dim=-1)
     return top_k_top_p_probs(x, k, p)
@@ -376,11 +373,15 @@ def _as_sampled(x: torch.Tensor, step: VerifyStep, md, trees: torch.Tensor) -> t
     if md.temperature is None:
         return x
     idx = step.req_index[trees]
-    temperature = md.temperature[idx].float()
-    at = (temperature >= SAMPLING_EPS).nonzero().squeeze(1)
+    at = (md.temperature[idx] >= SAMPLING_EPS).nonzero().squeeze(1)
     if at.numel():
-        r = idx[at]
-        x[at] = apply_top_k_top_p(x[at] / temperature[at].unsqueeze(1),
-                                  md.top_k[r] if md.top_k is not None else None,
-                                  md.top_p[r] if md.top_p is not None else None)
+        x[at] = apply_top_k_top_p(*_scaled(x[at], md, idx[at]))
     return x
+
+
+def _scaled(x: torch.Tensor, md, idx: torch.Tensor):
+    """Rows ``x`` of requests ``idx`` over their temperature, with their top-k and
+    top-p: what vLLM's samplers cut and normalise."""
+    x = x / md.temperature[idx].float().clamp_min(SAMPLING_EPS).unsqueeze(1)
+    return (x, md.top_k[idx] if md.top_k is not None else None,
+            md.top_p[idx] if md.top_p is not None else None)
