@@ -27,6 +27,14 @@ def pinned_kernels() -> dict[str, str]:
     return {SMALL_M_LINEAR_ENV: os.environ.get(SMALL_M_LINEAR_ENV, "0")}
 
 
+def small_block_size() -> int:
+    """The smallest KV block the installed vLLM's CPU attention takes (16 tokens on
+    0.27.1, 32 on 0.32.0), for tests that want many block boundaries."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend.get_supported_kernel_block_sizes()[0].base
+
+
 def base_engine(target: Path, **overrides) -> dict:
     """Engine settings shared by the integration tests (fp32: greedy comparisons
     between differently shaped batches must not hinge on bf16 rounding)."""
@@ -94,7 +102,7 @@ SHORT_GREEDY_TOKENS = 64
 
 @pytest.fixture(scope="session")
 def greedy_reference(target_dir, tokenizer, engine_dir) -> tuple[list, list]:
-    """(prompts, plain vLLM's greedy outputs): the 24 chat prompts, 128 tokens each."""
+    """(prompts, plain vLLM's greedy outputs): the 25 chat prompts, 128 tokens each."""
     from tests.integration.prompts import chat_token_ids
 
     prompts = chat_token_ids(tokenizer)

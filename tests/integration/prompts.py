@@ -25,6 +25,12 @@ CHAT_PROMPTS = [
     "Describe the water cycle.",
     "Write a bash command that counts the lines in all .txt files.",
     "What is the capital of Australia, and why is it not Sydney?",
+    # Longer than three 32-token blocks with the chat template: asked twice, its
+    # second request reuses cached blocks at every supported block size.
+    "I am planning a one-week trip by train through the mountains in late autumn. I "
+    "will carry one small backpack, I do not like cold mornings, and I want to spend "
+    "at least two days hiking. Write a packing list grouped by clothing, gear and "
+    "food, and explain each choice in one short sentence.",
 ]
 
 

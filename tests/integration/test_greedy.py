@@ -1,6 +1,6 @@
 """Greedy eagle3_tree output is token-identical to decoding without speculation.
 
-Real SmolLM2-135M on the CPU, 24 chat prompts x 128 tokens (the chunked-prefill
+Real SmolLM2-135M on the CPU, 25 chat prompts x 128 tokens (the chunked-prefill
 and preemption tests: the first 12), with the oracle drafter (see ``oracle.py``)
 so that trees are accepted deeply, at random branches, and the KV commit runs on
 nearly every step.
@@ -17,6 +17,7 @@ from tests.integration.conftest import (
     SMALL_M_LINEAR_ENV,
     base_engine,
     run_engine,
+    small_block_size,
 )
 from tests.integration.prompts import chat_token_ids
 
@@ -58,13 +59,14 @@ def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, re
     prompts, expected, ref_map = reference
     extra = {}
     if batch == 1:
-        # Prefix caching is on (vLLM's default). Asking the first prompt again at
-        # the end, with 16-token blocks, serves its prompt from the cache, so that
-        # tree is verified on top of cached KV. (EAGLE makes vLLM recompute the
-        # last cached block, so a hit needs two full blocks in common.)
-        # One request at a time: 8 prompts (the batch of 8 runs all 24).
-        prompts, expected = prompts[:8] + prompts[:1], expected[:8] + expected[:1]
-        extra = {"block_size": 16}
+        # Prefix caching is on (vLLM's default). Asking the long last prompt twice,
+        # with small (16- or 32-token) blocks, serves the second one's prompt from
+        # the cache, so that tree is verified on top of cached KV. (EAGLE makes vLLM
+        # recompute the last cached block, so a hit needs two full blocks in common.)
+        # One request at a time: 8 prompts and the long one twice (the batch of 8
+        # runs them all).
+        prompts, expected = prompts[:8] + prompts[-1:] * 2, expected[:8] + expected[-1:] * 2
+        extra = {"block_size": small_block_size()}
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=batch,
                      max_num_seqs=batch, **extra)
     kernels = {}
@@ -115,11 +117,12 @@ def test_chunked_prefill_truncated_trees_and_early_finishes(target_dir, random_d
 
 def test_preemption_and_recompute(target_dir, random_drafter, reference, engine_dir):
     """A KV cache too small for all requests forces preemption and recompute
-    (48 blocks of 16 tokens against 8 running requests of up to ~170 tokens)."""
+    (768 tokens in small blocks against 8 running requests of up to ~170 tokens)."""
     prompts, expected, ref_map = reference
     prompts, expected = prompts[:12], expected[:12]
+    block = small_block_size()
     spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=4,
-                     num_gpu_blocks_override=48, block_size=16, max_model_len=512)
+                     num_gpu_blocks_override=768 // block, block_size=block, max_model_len=512)
     out = run_engine(spec, engine_dir, "greedy_tree_preempt")
     assert_identical(out["outputs"], expected)
     assert out["preemptions"] > 0

@@ -21,7 +21,7 @@ from collections import Counter
 import pytest
 from scipy import stats
 
-from tests.integration.conftest import base_engine, run_engine
+from tests.integration.conftest import base_engine, run_engine, small_block_size
 from tests.integration.prompts import chat_token_ids
 
 pytestmark = pytest.mark.vllm
@@ -53,9 +53,10 @@ PARALLEL_TREE = dict(TREE, draft="parallel")
 
 def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
     """n samples of every prompt, all in one engine (one batch stream)."""
-    # 16-token blocks: the n copies of a prompt share its prefix-cached blocks (vLLM's CPU
+    # Small blocks: the n copies of a prompt share its prefix-cached blocks (vLLM's CPU
     # default of 128 would leave these short prompts uncached and prefill dominating).
-    spec = {"engine": base_engine(target_dir, max_num_seqs=128, seed=seed, block_size=16),
+    spec = {"engine": base_engine(target_dir, max_num_seqs=128, seed=seed,
+                                  block_size=small_block_size()),
             "prompts": [p for p in prompts for _ in range(n)],
             "sampling": {"max_tokens": LENGTH, "ignore_eos": True},
             "sampling_per_prompt": [s for s in settings for _ in range(n)]}

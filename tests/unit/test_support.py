@@ -12,29 +12,32 @@ import pytest
 import torch
 
 from vllm_treespec.config import TreeSpecConfigError
-from vllm_treespec.vllm_glue import support
+from vllm_treespec.vllm_glue import support, versions
 
 PLAIN_LAYER = dict(sliding_window=None, alibi_slopes=None, logits_soft_cap=None, sinks=None,
                    kv_cache_dtype="auto")
 
 
-@pytest.mark.parametrize("found", ["0.27.1", "0.27.1+cpu", "0.27.1.post1"])
-def test_the_supported_vllm_release_passes(found):
+@pytest.mark.parametrize("found", ["0.27.1", "0.27.1+cpu", "0.27.1.post1", "0.32.0",
+                                   "0.32.0+cpu"])
+def test_the_supported_vllm_releases_pass(found, monkeypatch):
+    monkeypatch.delenv(support.ALLOW_UNTESTED_ENV, raising=False)
     support.check_vllm_version(found)
 
 
-@pytest.mark.parametrize("found", ["0.27.0", "0.270.1", "0.32.0", "garbage"])
-def test_other_vllm_releases_are_refused_naming_both(found, monkeypatch):
+@pytest.mark.parametrize("found", ["0.27.0", "0.270.1", "0.29.0", "0.33.0", "garbage"])
+def test_other_vllm_releases_are_refused_naming_the_supported_ones(found, monkeypatch):
     monkeypatch.delenv(support.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(TreeSpecConfigError) as err:
         support.check_vllm_version(found)
-    assert repr(found) in str(err.value) and support.SUPPORTED_VLLM in str(err.value)
+    assert repr(found) in str(err.value)
+    assert all(v in str(err.value) for v in versions.SUPPORTED), err.value
     assert support.ALLOW_UNTESTED_ENV in str(err.value)
 
 
 def test_the_opt_out_lets_an_untested_release_through(monkeypatch):
     monkeypatch.setenv(support.ALLOW_UNTESTED_ENV, "1")
-    support.check_vllm_version("0.32.0")
+    support.check_vllm_version("0.33.0")
 
 
 def test_a_plain_attention_layer_passes():

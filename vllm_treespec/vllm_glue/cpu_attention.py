@@ -33,7 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_treespec.attention import DraftTreeLevelMetadata, TreeVerifyRows, cpu_layout
 from vllm_treespec.attention.chain_split import ChainSplitPlan, split_into_chains
 from vllm_treespec.attention.cpu_layout import kv_views
-from vllm_treespec.vllm_glue import forget_resolved_backends, support
+from vllm_treespec.vllm_glue import forget_resolved_backends, support, versions
 from vllm_treespec.vllm_glue.draft_level import DraftLevelAttention
 
 
@@ -106,8 +106,8 @@ class TreeCPUAttentionImpl(DraftLevelAttention, CPUAttentionBackendImpl):
         """Tree rows as causal chain requests of the native kernel (see chain_split)."""
         step = chains.scratch.get(self.num_heads)
         if step is None:  # once per step: the same for every layer of this shape
-            step = chains.scratch[self.num_heads] = self._chain_step(tree, chains, kv_cache,
-                                                                     query.dtype)
+            step = chains.scratch[self.num_heads] = self._chain_step(
+                tree, chains, kv_cache, query.dtype, versions.attention_isa(self, layer))
         rows, span, read, write, scheduler_metadata = step
         for src, dst, count in chains.copies:  # the prefix's tail, into private blocks
             kv_cache[dst: dst + count].copy_(kv_cache[src].expand((count,) + kv_cache.shape[1:]))
@@ -143,7 +143,8 @@ class TreeCPUAttentionImpl(DraftLevelAttention, CPUAttentionBackendImpl):
             cached = self._kv_split = (kv_cache, *kv_cache.view(nb, kvh, 2 * bs, -1).chunk(2, 2))
         return cached[1], cached[2]
 
-    def _chain_step(self, tree: TreeVerifyRows, chains: ChainSplitPlan, kv_cache, dtype):
+    def _chain_step(self, tree: TreeVerifyRows, chains: ChainSplitPlan, kv_cache, dtype,
+                    isa: str):
         """Per-step inputs of ``_verify_chains``: query rows in chain order (and the
         span they form when contiguous and in order), the flat cache elements the
         path's K/V are copied from and to, and the kernel's scheduler metadata."""
@@ -158,7 +159,7 @@ class TreeCPUAttentionImpl(DraftLevelAttention, CPUAttentionBackendImpl):
             num_reqs=chains.num_chains, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_size, seq_lens=chains.seq_lens,
             dtype=dtype, query_start_loc=chains.query_start_loc, causal=True,
-            sliding_window_size=-1, isa=self.isa, enable_kv_split=False,
+            sliding_window_size=-1, isa=isa, enable_kv_split=False,
             kv_cache_dtype=self.kv_cache_dtype)
         return rows, span, read, write, metadata
 

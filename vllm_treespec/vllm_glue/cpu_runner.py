@@ -4,13 +4,12 @@ verify a few tokens at close to one token's cost (``cpu_linear``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
 from vllm_treespec.attention.cpu_layout import kv_views, slot_elements
-from vllm_treespec.vllm_glue import cpu_linear
+from vllm_treespec.vllm_glue import cpu_linear, versions
 from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
 
 logger = logging.getLogger("vllm.treespec")
@@ -57,19 +56,16 @@ class _CPUDevice:
 
         return TreeCPUAttentionBackend
 
-    def _allocate_kv_cache_tensors(self, kv_cache_config):
+    def initialize_kv_cache_tensors(self, kv_cache_config, *args, **kwargs):
         """vLLM sizes each layer's cache by the scheduler's block count; we add
         ``SPARE_BLOCKS`` pages at the end, which the scheduler never hands out
-        (the block count is derived from the tensor size when it is reshaped)."""
-        num = kv_cache_config.num_blocks
-        tensors = kv_cache_config.kv_cache_tensors
-        if any(t.block_stride or t.size % num for t in tensors):  # packed layouts: none
-            return super()._allocate_kv_cache_tensors(kv_cache_config)
-        extra = self.SPARE_BLOCKS
-        grown = dataclasses.replace(kv_cache_config, kv_cache_tensors=[
-            dataclasses.replace(t, size=t.size // num * (num + extra)) for t in tensors])
-        self._spare_bytes = sum(t.size // num * extra for t in tensors)
-        return super()._allocate_kv_cache_tensors(grown)
+        (only this allocation sees the grown config; see
+        ``versions.grow_kv_cache_config``)."""
+        grown = versions.grow_kv_cache_config(kv_cache_config, self.SPARE_BLOCKS)
+        if grown is None:  # packed layouts: none
+            return super().initialize_kv_cache_tensors(kv_cache_config, *args, **kwargs)
+        config, self._spare_bytes = grown
+        return super().initialize_kv_cache_tensors(config, *args, **kwargs)
 
     def initialize_kv_cache(self, kv_cache_config, *args, **kwargs) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)

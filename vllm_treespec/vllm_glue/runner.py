@@ -149,8 +149,8 @@ class TreeRunnerMixin(StepCostCalibration):
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
-        logits_indices, spec_md = super()._prepare_inputs(scheduler_output,
-                                                          num_scheduled_tokens)
+        prepared = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        spec_md = prepared[1]  # (logits_indices, spec_md, ...: see versions)
         drafts = scheduler_output.scheduled_spec_decode_tokens
         num_drafts = np.array([len(drafts.get(r, ())) for r in self.input_batch.req_ids],
                               dtype=np.int64)
@@ -164,7 +164,7 @@ class TreeRunnerMixin(StepCostCalibration):
             t0 = time.perf_counter()
             self._verify = self._make_verify_step(scheduler_output, spec_md)
             self._verify.prepare_s = time.perf_counter() - t0
-        return logits_indices, spec_md
+        return prepared
 
     def _make_verify_step(self, scheduler_output, spec_md) -> VerifyStep:
         num_reqs = self.input_batch.num_reqs

