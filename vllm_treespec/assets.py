@@ -241,6 +241,57 @@ def _ensure_drafter(home: Path, src: Path | None, log) -> Path:
     return final
 
 
+TP_PAIR_VERSION = 1  # bumped when the padding recipe changes
+
+
+def ensure_tp_pair(cache_dir: str | os.PathLike | None = None, multiple: int = 2,
+                   log=None) -> tuple[Path, Path]:
+    """The target and its drafter with attention heads padded so that tensor-parallel
+    size ``multiple`` divides them (``head_padding``: the same function exactly),
+    built from the verified embedded pair; returns (target dir, drafter dir)."""
+    log = log or _stderr
+    home = cache_home(cache_dir)
+    with _locked(home):
+        target = _ensure_target(home, log)
+        drafter = _ensure_drafter(home, None, log)
+        out = []
+        for src, final in ((target, home / f"{TARGET_NAME}-tp{multiple}"),
+                           (drafter, home / "drafters" / f"{DRAFTER_NAME}-tp{multiple}")):
+            expect = {"source_files": _read_manifest(src)["files"], "multiple": multiple,
+                      "tp_pair_version": TP_PAIR_VERSION}
+            if not _verified(final, expect):
+                _pad_checkpoint(src, final, multiple, expect, log)
+            out.append(final)
+    return out[0], out[1]
+
+
+def _pad_checkpoint(src: Path, final: Path, multiple: int, expect: dict, log) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from vllm_treespec.head_padding import pad_attention, padded_heads
+
+    config = json.loads((src / "config.json").read_text())
+    heads = padded_heads(config["num_attention_heads"], config["num_key_value_heads"], multiple)
+    log(f"[assets] padding {src.name} to {heads[0]} query / {heads[1]} KV heads -> {final}")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        for file in src.iterdir():
+            if file.name in (MANIFEST, "MANIFEST.json") or file.suffix == ".safetensors":
+                continue
+            shutil.copyfile(file, tmp / file.name)
+        for file in sorted(src.glob("*.safetensors")):
+            state, padded = pad_attention(load_file(file), config, *heads)
+            save_file(state, tmp / file.name, metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(padded, indent=2) + "\n")
+        manifest = dict(expect, source=str(src), files=hash_tree(tmp))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _replace_dir(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_assets(cache_dir: str | os.PathLike | None = None, log=None) -> Assets:
     """Prepare (or reuse) the SmolLM2 target and its drafters; return their directories."""
     log = log or _stderr
@@ -270,13 +321,23 @@ def main(argv: list[str] | None = None) -> int:
         help='print {"target": DIR, "drafter": DIR, "parallel_drafter": DIR} as the last '
         'line of stdout',
     )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="also prepare the target and drafter padded to attention heads that this "
+        "tensor-parallel size divides (same function; keys target_tp, drafter_tp)",
+    )
     args = parser.parse_args(argv)
     assets = ensure_assets(args.cache_dir)
+    paths = json.loads(assets.as_json())
+    if args.tp > 1:
+        target_tp, drafter_tp = ensure_tp_pair(args.cache_dir, args.tp)
+        paths.update(target_tp=str(target_tp), drafter_tp=str(drafter_tp))
     if args.json:
-        print(assets.as_json(), flush=True)
+        print(json.dumps(paths), flush=True)
     else:
-        print(f"target:  {assets.target}\ndrafter: {assets.drafter}\n"
-              f"parallel drafter: {assets.parallel_drafter}", flush=True)
+        print("\n".join(f"{k}: {v}" for k, v in paths.items()), flush=True)
     return 0
 
 

@@ -12,11 +12,14 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "break_stochastic" / "drop_sibling_renormalisation": bool (biased acceptance
        rules, negative controls of the T>0 test),
        "record_proposals": bool (stock or tree drafter),
+       "slow_rank": {"rank", "factor"} | null (that tensor-parallel rank's clock runs
+       factor times slow; every rank records its planned depths),
        "chunk_faults": {"control_pad_locals": int} | null (page faults inside the
        runner's fresh-chunk entries, see oracle.count_chunk_faults)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "proposals": {"prompt hash@root position": [draft tokens]} | null,
+       "planned_depths": [[depth per drafting step] per rank] | null (with "slow_rank"),
        "chunk_faults": {"shipped"|"control": [faults per execute_model]} | null,
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
        "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
@@ -65,6 +68,9 @@ def main(spec_path: str, out_path: str) -> None:
     if spec.get("chunk_faults") is not None and tree_mode:
         llm.collective_rpc(oracle.count_chunk_faults,
                            args=(spec["chunk_faults"]["control_pad_locals"],))
+    if spec.get("slow_rank") and tree_mode:
+        llm.collective_rpc(oracle.slow_clock, args=(spec["slow_rank"]["rank"],
+                                                    spec["slow_rank"]["factor"]))
     if spec.get("vllm_zero_drafts") and tree_mode:
         llm.collective_rpc(oracle.restore_vllm_zero_drafts)
     sampling = SamplingParams(**spec["sampling"])
@@ -95,6 +101,8 @@ def main(spec_path: str, out_path: str) -> None:
                  if spec.get("record_proposals") else None)
     chunk_faults = (llm.collective_rpc(oracle.chunk_faults)[0]
                     if spec.get("chunk_faults") is not None and tree_mode else None)
+    planned = (llm.collective_rpc(oracle.planned_depths)
+               if spec.get("slow_rank") and tree_mode else None)
     metrics = llm.get_metrics()
 
     def counter(name: str) -> float:
@@ -106,6 +114,7 @@ def main(spec_path: str, out_path: str) -> None:
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
                    "proposals": proposals, "chunk_faults": chunk_faults,
+                   "planned_depths": planned,
                    "preemptions": counter("vllm:num_preemptions"),
                    "prefix_cache_hits": counter("vllm:prefix_cache_hits"),
                    "spec_decode": {

@@ -83,8 +83,11 @@ def test_serve_exits_with_the_message_at_startup(target_dir, random_drafter):
                            "--speculative-config", json.dumps(spec)],
                           cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode != 0
-    assert "'depth' has invalid value 99; allowed: an integer in [1, 32]" in proc.stderr
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("vllm-treespec serve: error: eagle3_tree:"), last
+    assert "'depth' has invalid value 99; allowed: an integer in [1, 32]" in last
+    assert "Traceback" not in proc.stderr
 
 
 def test_spec_method_flags_work_like_the_json_form(target_dir, random_drafter):
@@ -105,9 +108,10 @@ def test_an_unsupported_vllm_version_is_refused(target_dir, random_drafter, monk
 
     from vllm_treespec.config import TreeSpecConfigError
 
-    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
     monkeypatch.delenv("VLLM_TREESPEC_ALLOW_UNTESTED_VLLM", raising=False)
-    with pytest.raises(TreeSpecConfigError, match="supports vLLM 0.27.1; found vLLM '0.32.0'"):
+    with pytest.raises(TreeSpecConfigError,
+                       match=r"supports vLLM 0.27.1, 0.32.0; found vLLM '0.30.0'"):
         engine_config(target_dir, {"method": "eagle3_tree", "model": str(random_drafter)})
     # stock methods are not ours to refuse
     engine_config(target_dir, {"method": "eagle3", "model": str(random_drafter),
@@ -177,3 +181,24 @@ def test_a_drafter_for_another_model_fails_before_vllm_reads_it(target_dir, rand
     with pytest.raises(TreeSpecConfigError, match="'model' has invalid value '/no/such/dir'"):
         engine_config(target_dir, {"method": "eagle3_tree", "model": "/no/such/dir"})
 
+
+
+def test_vllm_falls_back_to_its_v1_runner_for_trees(target_dir, random_drafter, monkeypatch):
+    """Where vLLM would pick its V2 model runner (Triton present: a GPU, or a CPU
+    with triton-cpu), a tree engine gets V1, which the tree runner is built on;
+    forcing V2 is refused by name."""
+    import vllm.config.vllm as vllm_config_module
+
+    from vllm_treespec.config import TreeSpecConfigError
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    stock = engine_config(target_dir, {"method": "eagle3", "model": str(random_drafter),
+                                       "num_speculative_tokens": 2})
+    if not stock.use_v2_model_runner:
+        pytest.skip("this vLLM does not default to its V2 runner for this model")
+    tree = engine_config(target_dir, {"method": "eagle3_tree", "model": str(random_drafter)})
+    assert not tree.use_v2_model_runner
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(TreeSpecConfigError, match="V2 model runner"):
+        engine_config(target_dir, {"method": "eagle3_tree", "model": str(random_drafter)})

@@ -23,7 +23,8 @@ from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = pytest.mark.vllm
 
-ACCESS_LINE = re.compile(r"\((ApiServer_\d+) pid=\d+\).*POST /v1/chat/completions")
+# vLLM logs each request it adds (--enable-log-requests) with its process prefix.
+ACCESS_LINE = re.compile(r"\((ApiServer_\d+) pid=\d+\).*Added request chatcmpl-")
 QUESTIONS = ["Name three fruits.", "What is the capital of France?", "Count to five.",
              "Say hello in Spanish.", "What colour is the sky?", "Name a large animal.",
              "What is 2 plus 2?", "Name a programming language."]
@@ -52,7 +53,7 @@ def test_each_tree_counted_once_with_two_api_servers(target_dir, random_drafter,
             "depth": 3, "top_k": 4, "adaptive": False}
     args = ["--dtype", "float32", "--max-model-len", "1024", "--seed", "0",
             "--max-num-seqs", "4", "--compilation-config", '{"mode": 0}',
-            "--api-server-count", "2"]
+            "--api-server-count", "2", "--enable-log-requests"]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
            "VLLM_LOG_STATS_INTERVAL": "2", **pinned_kernels(),
            # vLLM's per-process log prefix, uncoloured (chat_servers reads it).

@@ -1,46 +1,51 @@
-"""Plain and tree steps give a seeded request the same noise for a position.
+"""Plain and tree steps give a seeded request the same sample at a position.
 
-vLLM's sampler draws a seeded row's Exp(1) noise from the request's generator;
-the runner seats that generator on (seed, position) before every step, and tree
-steps accept with ``_position_noise`` of the same key. Here vLLM's own
-``random_sample`` runs on seated generators and must pick what the tree rule's
-noise picks, for every position; a generator left as a stream does not.
+vLLM's sampler op (``Sampler.topk_topp_sampler``: on 0.27.1 Exp(1) noise drawn from
+the request's generator, on 0.32.0's CPU a seed drawn from it for a fused
+Gumbel-max kernel) samples a plain step's rows; the runner seats each seeded
+request's generator on (seed, position) before every step, and tree steps draw
+each position with the same op on a generator seated the same way
+(``_seeded_draw``). Here a batch of plain steps through the installed vLLM's op
+must pick, row by row, what the tree rule picks for every position; a generator
+left as a stream (stock vLLM) does not.
 """
 
 from __future__ import annotations
 
 import torch
-from vllm.v1.sample.ops.topk_topp_sampler import random_sample
 
-from vllm_treespec.tree import position_samples
-from vllm_treespec.vllm_glue.tree_sampler import _position_noise, seat_position_generators
+from vllm_treespec.vllm_glue.tree_sampler import (_seeded_draw, plain_step_sampler,
+                                                  seat_position_generators)
 
 VOCAB = 257
 
 
-def plain_step_tokens(probs: torch.Tensor, seeds: dict[int, int], positions: list[int],
-                      seat: bool) -> list[int]:
-    """One plain step per position, rows sampled by vLLM's sampler op."""
+def plain_step_tokens(logits: torch.Tensor, k, p, seeds: dict[int, int], positions: list[int],
+                      seat: bool) -> list[list[int]]:
+    """One plain step per position, the whole batch through vLLM's sampler op."""
+    op = plain_step_sampler(None)
     generators = {b: torch.Generator().manual_seed(s) for b, s in seeds.items()}
     out = []
     for pos in positions:
         if seat:
             seat_position_generators(generators, seeds, [pos] * len(seeds))
-        out.append(random_sample(probs.clone(), generators).tolist())
+        tokens, _ = op(logits.clone(), generators, k, p)
+        out.append(tokens.view(-1).tolist())
     return out
 
 
-def test_a_plain_step_draws_the_noise_a_tree_step_draws_for_its_position():
+def test_a_plain_step_draws_what_a_tree_step_draws_for_its_position():
     torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(2, VOCAB), dim=-1)     # flat enough to vary
-    seeds, positions = {0: 7, 1: 8}, [40, 41, 42, 43, 44, 45]
-    plain = plain_step_tokens(probs, seeds, positions, seat=True)
+    logits = torch.randn(3, VOCAB) / 2                          # flat enough to vary
+    k = torch.tensor([VOCAB, 40, VOCAB])
+    p = torch.tensor([1.0, 1.0, 0.9])
+    seeds, positions = {0: 7, 1: 8, 2: 9}, [40, 41, 42, 43, 44, 45]
+    plain = plain_step_tokens(logits, k, p, seeds, positions, seat=True)
+    op = plain_step_sampler(None)
     for b, seed in seeds.items():
-        noise = _position_noise(seed, positions[0], len(positions), VOCAB, torch.device("cpu"))
-        depth = torch.arange(len(positions)).unsqueeze(0)   # one node per position
-        node_probs = probs[b].expand(1, len(positions), VOCAB)
-        tree = position_samples(node_probs, depth, noise.unsqueeze(0))[0].tolist()
+        tree = [_seeded_draw(op, logits[b], k[b], p[b], seed, pos) for pos in positions]
         assert [row[b] for row in plain] == tree
+    assert len({tuple(row) for row in plain}) > 1  # the draws vary with the position
     # Negative control: a stream generator (stock vLLM) picks other tokens.
-    streamed = plain_step_tokens(probs, seeds, positions, seat=False)
-    assert sum(s != p for s, p in zip(streamed, plain)) >= len(positions) // 2
+    streamed = plain_step_tokens(logits, k, p, seeds, positions, seat=False)
+    assert sum(s != t for s, t in zip(streamed, plain)) >= len(positions) // 2

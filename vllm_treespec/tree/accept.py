@@ -188,19 +188,32 @@ def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
     accepted path, which the samples themselves choose, so at most D + 1 nodes
     per tree ask ``target_probs`` for a distribution (a [B, T, V] table, or
     (rows, nodes) -> [n, V] as for ``stochastic_accept``) instead of all T.
-    Nodes off the path get -1, a token no child carries, so
-    ``greedy_accept(tree, samples)`` is the same as with every node sampled.
     noise: [B, >= deepest depth + 1, V] Exp(1) draws, as for ``position_samples``."""
+    probs_at = _at_nodes(target_probs)
+
+    def draw(rows, nodes, d):
+        return torch.argmax(probs_at(rows, nodes).float() / noise[rows, d], dim=-1)
+
+    return samples_on_path(tree, draw, min(tree.max_depth, noise.shape[1] - 1))
+
+
+def samples_on_path(tree: TreeBatch, draw: Callable[[torch.Tensor, torch.Tensor, int],
+                                                    torch.Tensor],
+                    max_depth: int | None = None) -> torch.Tensor:
+    """[B, T] samples of the nodes on each tree's accepted path, which the samples
+    themselves choose: ``draw(rows, nodes, d)`` gives trees ``rows``' samples at
+    their ``nodes`` (depth ``d``, i.e. position root + 1 + d), asked for at most
+    once per depth. Nodes off the path get -1, a token no child carries, so
+    ``greedy_accept(tree, samples)`` is the same as with every node sampled."""
     B, T = tree.token.shape
     dev = tree.device
-    probs_at = _at_nodes(target_probs)
     samples = torch.full((B, T), -1, dtype=torch.long, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     rows = torch.arange(B, device=dev)
     slots = torch.arange(tree.max_children, device=dev).unsqueeze(0)
-    for d in range(min(tree.max_depth, noise.shape[1] - 1) + 1):
+    for d in range((tree.max_depth if max_depth is None else max_depth) + 1):
         node = cur[rows]
-        drawn = torch.argmax(probs_at(rows, node).float() / noise[rows, d], dim=-1)
+        drawn = draw(rows, node, d)
         samples[rows, node] = drawn
         kids = tree.children[rows, node]                                          # [n, C]
         match = (slots < tree.num_children[rows, node].unsqueeze(1)) & \

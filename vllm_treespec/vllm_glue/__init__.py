@@ -1,4 +1,4 @@
-"""The only place that imports vLLM internals (targets vLLM 0.27.1).
+"""The only place that imports vLLM internals (vLLM 0.27.1 and 0.32.0; see ``versions``).
 
 ``install`` is called by the plugin entry point in every vLLM process. It only
 wraps the speculative-config translation; everything else is selected through
@@ -16,9 +16,10 @@ from types import ModuleType
 def install() -> None:
     # The vLLM version is checked when an eagle3_tree engine is configured
     # (``support.check_vllm_version``): stock methods stay usable on any version.
-    from vllm_treespec.vllm_glue.spec_config import patch_engine_args
+    from vllm_treespec.vllm_glue.spec_config import patch_engine_args, patch_model_runner_choice
 
     patch_engine_args()
+    patch_model_runner_choice()
 
 
 def forget_resolved_backends() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
+from vllm_treespec.vllm_glue import rank_agreement
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 
 logger = logging.getLogger("vllm.treespec")
@@ -56,12 +57,15 @@ class StepCostCalibration:
         if policy is None:
             return
         limit = self.scheduler_config.max_num_batched_tokens
-        for n in (n for n in self.CALIBRATION_SIZES if n <= limit):
-            # Best of 7 where a forward takes milliseconds: with best of 3 a stall
-            # once left the 1-token knot above the 4-token one. (The spread between
-            # server starts, 1-token knots of 11.0-16.6 ms on one machine, is the
-            # process's own: its live steps differ alike, and the table follows them.)
-            policy.step_cost.set_knot(n, self._time_forward(n, 7 if n <= 64 else 1))
+        # Best of 7 where a forward takes milliseconds: with best of 3 a stall
+        # once left the 1-token knot above the 4-token one. (The spread between
+        # server starts, 1-token knots of 11.0-16.6 ms on one machine, is the
+        # process's own: its live steps differ alike, and the table follows them.)
+        knots = {n: self._time_forward(n, 7 if n <= 64 else 1)
+                 for n in self.CALIBRATION_SIZES if n <= limit}
+        # Under tensor parallelism every rank prices steps as rank 0 does.
+        for n, seconds in rank_agreement.from_rank0(knots).items():
+            policy.step_cost.set_knot(n, seconds)
         cost = policy.step_cost
         cost.nondecreasing()
         logger.info("eagle3_tree: step cost %s (adaptive budget)",

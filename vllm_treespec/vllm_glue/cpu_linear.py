@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from vllm_treespec.vllm_glue import rank_agreement
+
 ENV = "VLLM_TREESPEC_CPU_SMALL_M_LINEAR"
 MAX_ROWS = 8  # above this oneDNN's blocked kernel won in every calibration measured
 
@@ -184,7 +186,7 @@ def calibrate(time_step: Callable[[int], float], sizes: Iterable[int] = range(2,
     two kernels alternate and each keeps its best time, so that a noisy moment
     does not decide; a row count between two chosen ones is chosen too.
     Returns the chosen row counts and {rows: (stock s, W @ x^T s)}."""
-    wins, timings = [], {}
+    timings = {}
     for n in sizes:
         best = {False: float("inf"), True: float("inf")}
         for _ in range(repeats):
@@ -192,8 +194,9 @@ def calibrate(time_step: Callable[[int], float], sizes: Iterable[int] = range(2,
                 use_rows([n] if new else [])
                 best[new] = min(best[new], time_step(n))
         timings[n] = (best[False], best[True])
-        if best[True] < (1.0 - margin) * best[False]:
-            wins.append(n)
+    # Under tensor parallelism every rank runs the kernels rank 0 chose (rank_agreement).
+    timings = rank_agreement.from_rank0(timings)
+    wins = [n for n, (stock, new) in timings.items() if new < (1.0 - margin) * stock]
     won = set(wins)
     chosen = won | {n for n in range(min(wins, default=0), max(wins, default=0))
                     if n - 1 in won and n + 1 in won}

@@ -43,6 +43,7 @@ from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.observability import InvalidTreeInjector, trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
+from vllm_treespec.vllm_glue import rank_agreement
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
 from vllm_treespec.vllm_glue.parallel_drafts import ParallelDrafting
@@ -124,9 +125,14 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         """
         t0 = time.perf_counter()
         try:
-            return self._draft_trees(t0, *args, **kwargs)
+            drafts = self._draft_trees(t0, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 -- see above
+            rank_agreement.any_rank(True)
             return self._no_drafts_after(err, t0)
+        if rank_agreement.any_rank(False):  # failed on another rank: none here either
+            return self._no_drafts_after(RuntimeError("drafting failed on another "
+                                                      "tensor-parallel rank"), t0)
+        return drafts
 
     def _no_drafts_after(self, err: Exception, t0: float) -> list[list[int]]:
         req_ids = list(self.runner.input_batch.req_ids)
@@ -298,7 +304,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             # and validation (a debugging mode) must not price speculation out.
             rest = ((time.perf_counter() - t0) - (t_first - t_before_catch_up) - levels_s
                     - check_s)
-            self.policy.observe_draft(num_tokens, t_first - t_catch_up, levels_run,
+            first_s, levels_s, rest = rank_agreement.timings(t_first - t_catch_up, levels_s, rest)
+            self.policy.observe_draft(num_tokens, first_s, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest,
                                       one_wide=(dynamic and width_cap == 1
@@ -381,10 +388,16 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         which is always correct.
         """
         n = len(scheduled)
-        tree = self.proposed.get(req_id)
-        if tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled):
+        if self.proposed_here(req_id, scheduled):
+            tree = self.proposed[req_id]
             return tree.tokens[:n], tree.parents[:n], tree.probs[:n]
         return list(scheduled), list(range(n)), [0.0] * n
+
+    def proposed_here(self, req_id: str, scheduled: list[int]) -> bool:
+        """Whether the scheduled drafts are (a prefix of) what this process proposed."""
+        tree = self.proposed.get(req_id)
+        n = len(scheduled)
+        return tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled)
 
     def forget(self, req_ids) -> None:
         """Finished requests: drop their trees and deferred drafter inputs."""

@@ -30,7 +30,7 @@ from vllm_treespec.attention import TreeVerifyRows
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
-from vllm_treespec.vllm_glue import stats_channel, support
+from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
@@ -91,9 +91,8 @@ class TreeRunnerMixin(StepCostCalibration):
         policy = self.tree_policy
         if policy is not None and self._step_start is not None and self._step_is_decode:
             drafted = getattr(self.drafter, "last_draft_seconds", 0.0)
-            policy.observe_step(self._step_tokens,
-                                time.perf_counter() - self._step_start - drafted,
-                                branching=self._step_branching)
+            (seconds,) = rank_agreement.timings(time.perf_counter() - self._step_start - drafted)
+            policy.observe_step(self._step_tokens, seconds, branching=self._step_branching)
         self._step_start = None
         metrics = getattr(self, "tree_metrics", None)
         return out if metrics is None else stats_channel.attach(out, metrics.take_payload)
@@ -169,11 +168,15 @@ class TreeRunnerMixin(StepCostCalibration):
     def _make_verify_step(self, scheduler_output, spec_md) -> VerifyStep:
         num_reqs = self.input_batch.num_reqs
         index = self.input_batch.req_id_to_index
-        entries = []
-        for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items():
-            if drafts:
-                entries.append((index[req_id], *self.drafter.tree_for(req_id, drafts)))
-        entries.sort(key=lambda e: e[0])
+        scheduled = sorted((index[r], r, d) for r, d in
+                           scheduler_output.scheduled_spec_decode_tokens.items() if d)
+        # The scheduler's drafts are rank 0's. A request whose drafts another rank
+        # did not propose is verified as a chain on every rank (rank_agreement).
+        as_chain = rank_agreement.any_rank_each(
+            [not self.drafter.proposed_here(r, d) for _, r, d in scheduled])
+        entries = [(i, list(d), list(range(len(d))), [0.0] * len(d)) if chain
+                   else (i, *self.drafter.tree_for(r, d))
+                   for (i, r, d), chain in zip(scheduled, as_chain)]
         req_index = np.array([e[0] for e in entries], dtype=np.int64)
         token_start = self.query_start_loc.np[req_index].astype(np.int64)
         self._replace_placeholder_drafts(entries, token_start)
@@ -351,6 +354,12 @@ class TreeRunnerMixin(StepCostCalibration):
     def _sample_tree_or_stock(self, logits, spec_decode_metadata, seeds):
         step = self._verify
         if step is None or spec_decode_metadata is None:
+            # No tree this step. vLLM 0.32.0 builds speculative metadata for steps
+            # without drafts too; its rejection sampler fails on them under top-k
+            # (an empty draft set), and they are plain steps: sample them as such.
+            if spec_decode_metadata is not None and not any(
+                    spec_decode_metadata.num_draft_tokens):
+                spec_decode_metadata = None
             return super()._sample(logits, spec_decode_metadata)
         t0 = time.perf_counter()
         self.input_batch.update_async_output_token_ids()

@@ -46,6 +46,9 @@ _FORBIDDEN_STOCK_KEYS = {
     "draft_sample_method": "tree drafts are the drafter's top-k; acceptance is lossless",
     "rejection_sample_method": "tree acceptance has its own lossless rule",
     "num_speculative_tokens_per_batch_size": "tree budgets are set by 'num_nodes'",
+    # vLLM 0.32.0:
+    "enable_adaptive_verification": "tree budgets are sized by 'adaptive'",
+    "use_local_argmax_reduction": "tree drafting reads the drafter's whole distribution",
 }
 
 
@@ -177,6 +180,25 @@ def _spec_dict(engine_args: Any) -> dict[str, Any] | None:
     engine_args.speculative_config = spec
     engine_args.spec_method = engine_args.spec_model = engine_args.spec_tokens = None
     return spec
+
+
+def patch_model_runner_choice() -> None:
+    """vLLM picks its V2 model runner by default where Triton runs (0.32.0: CUDA,
+    and CPUs with triton-cpu); the tree runner is built on V1 (idempotent). In
+    tree mode V2 is reported as not supporting the method, so vLLM falls back to
+    V1 and says why; ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused (``check_engine``)."""
+    from vllm.config import VllmConfig
+
+    original = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+    if original is None or getattr(original, "_treespec_wrapped", False):
+        return
+
+    def unsupported(self) -> list[str]:
+        out = original(self)
+        return out + [f"speculative method '{METHOD}'"] if tree_config_from_vllm(self) else out
+
+    unsupported._treespec_wrapped = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = unsupported
 
 
 def patch_engine_args() -> None:

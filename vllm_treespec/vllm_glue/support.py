@@ -60,6 +60,29 @@ def check_vllm_version(found: str, supported: tuple[str, ...] = versions.SUPPORT
         f"before serving)")
 
 
+def check_ascend_pairing(vllm_release: str, vllm_ascend: str | None,
+                         torch_npu: str | None) -> None:
+    """The installed vllm-ascend and torch_npu are the ones the Ascend glue was
+    mapped on for this vLLM release (``versions.ASCEND_PAIRINGS``): another
+    vllm-ascend may have moved the hooks the tree backend replaces. vllm-ascend is
+    installed from source, so its version carries the commit (``...+g<hash>``)."""
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        return
+    found = f"vLLM {vllm_release}, vllm-ascend {vllm_ascend!r}, torch_npu {torch_npu!r}"
+    supported = "; ".join(
+        f"vLLM {v} with vllm-ascend {p.vllm_ascend_commit} (main of {p.vllm_ascend_date}), "
+        f"torch_npu {p.torch_npu}, CANN {p.cann}" for v, p in versions.ASCEND_PAIRINGS.items())
+    pairing = versions.ASCEND_PAIRINGS.get(vllm_release)
+    commit = (vllm_ascend or "").rpartition("+g")[2].split(".")[0]
+    if (pairing is not None and len(commit) >= 7
+            and commit[:7] == pairing.vllm_ascend_commit[:7]
+            and (torch_npu or "").split("+")[0] == pairing.torch_npu):
+        return
+    raise TreeSpecConfigError(
+        f"eagle3_tree on Ascend: found {found}; supported: {supported}. Install that "
+        f"pairing (docs/ascend.md), or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
+
+
 NOT_A_PARALLEL_HEAD = ("no 'mask_hidden' tensor in its weights: not a parallel-drafting head "
                        "(\"draft\": \"parallel\" needs one trained with `vllm-treespec "
                        "train-drafter --parallel K`)")
@@ -185,12 +208,45 @@ def check_engine(vllm_config: Any, num_nodes: int) -> None:
     if vllm_config.kv_transfer_config is not None:
         raise _refuse("KV connectors (kv_transfer_config)",
                       "they would save the uncompacted tree slots of the KV cache")
-    stages = getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1)
+    check_parallelism(vllm_config)
+    if getattr(vllm_config, "use_v2_model_runner", False):
+        raise _refuse("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)",
+                      "the tree runner is built on the V1 model runner; unset it or set 0")
+    check_token_budget(num_nodes, vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def check_parallelism(vllm_config: Any) -> None:
+    """Tensor parallelism is served (every rank takes the same decisions:
+    ``rank_agreement``); the other kinds of parallelism are refused by name."""
+    parallel = vllm_config.parallel_config
+    stages = getattr(parallel, "pipeline_parallel_size", 1)
     if stages > 1:
         raise _refuse(f"pipeline parallelism (pipeline_parallel_size {stages})",
                       "the tree's verify, commit and metrics run in the first stage's "
                       "runner, and the step output vLLM keeps is the last stage's")
-    check_token_budget(num_nodes, vllm_config.scheduler_config.max_num_batched_tokens)
+    replicas = getattr(parallel, "data_parallel_size", 1)
+    if replicas > 1:
+        raise _refuse(f"data parallelism (data_parallel_size {replicas})",
+                      "untested with trees (MoE ranks step in lockstep with dummy "
+                      "batches, which draft no trees); serve one tree server per replica")
+    if getattr(parallel, "enable_expert_parallel", False):
+        raise _refuse("expert parallelism (enable_expert_parallel)",
+                      "expert-parallel ranks exchange tokens every layer, and their "
+                      "drafting levels would differ")
+    for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, key, 1)
+        if size > 1:
+            raise _refuse(f"context parallelism ({key} {size})",
+                          "each rank holds part of a request's KV cache, and the tree "
+                          "commit and tree attention read and move all of it")
+    tp = getattr(parallel, "tensor_parallel_size", 1)
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft_tp = getattr(spec, "draft_tensor_parallel_size", None)
+    if draft_tp not in (None, tp):
+        raise TreeSpecConfigError(
+            f"eagle3_tree: speculative-config key 'draft_tensor_parallel_size' has invalid "
+            f"value {draft_tp}; allowed: {tp} (the tensor_parallel_size: the drafter is "
+            f"sharded like the target, as vLLM's eagle3 runs it) or unset")
 
 
 def check_token_budget(num_nodes: int, max_num_batched_tokens: int) -> None:

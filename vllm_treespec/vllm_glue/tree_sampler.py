@@ -44,7 +44,7 @@ from vllm_treespec.tree import (
     greedy_accept,
     path_tokens,
     penalise_rows,
-    position_samples_on_path,
+    samples_on_path,
     stochastic_accept,
     top_k_top_p_probs,
 )
@@ -184,20 +184,15 @@ def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.T
 
 
 def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor,
-               nodes: torch.Tensor, as_vllm: bool = False) -> torch.Tensor:
+               nodes: torch.Tensor) -> torch.Tensor:
     """[n, V] target next-token distribution of tree ``rows[i]`` at node
     ``nodes[i]`` (temperature, top-k, top-p over the processed logits). On
     demand: the acceptance walk reads at most depth + 1 of a tree's nodes.
     Top-k / top-p as ``top_k_top_p_probs`` (the same sets, found among each row's
     largest entries instead of a sort of the vocabulary: ~0.1 against ~3.7 ms a
-    row here), or, with ``as_vllm``, through vLLM's ``apply_top_k_top_p`` itself
-    (seeded rows, whose samples must be the ones vLLM's sampler draws). That is
-    row by row on the CPU; where it picks a kernel by row count (CUDA: Triton
-    from 8 rows), a top-p boundary may round differently, as between vLLM's own
-    batch sizes."""
+    row here). Seeded rows do not come here: they sample with vLLM's own op
+    (``_seeded_draw``)."""
     x, k, p = _scaled(processed[rows, nodes], md, step.req_index[rows])
-    if as_vllm:
-        return torch.softmax(apply_top_k_top_p(x, k, p), dim=-1)
     return top_k_top_p_probs(x, k, p)
 
 
@@ -218,46 +213,61 @@ def seat_position_generators(generators: dict[int, torch.Generator],
                              seeds: dict[int, int], next_index) -> None:
     """Reseed each seeded row's generator for the position it samples next.
 
-    vLLM's sampler draws a seeded row's Exp(1) noise from the request's
-    generator, a stream advanced once per plain step; tree steps draw per
-    position (``_position_noise``). Keyed by position on every step, the noise
-    of a position is the same whether a plain step or a tree step samples it, so
-    a seeded request reproduces whatever the adaptive budget decides (off steps
+    vLLM's sampler draws a seeded row's randomness from the request's generator,
+    a stream advanced once per plain step; tree steps draw per position
+    (``_seeded_draw``). Keyed by position on every step, the draw of a position
+    is the same whether a plain step or a tree step samples it, so a seeded
+    request reproduces whatever the adaptive budget decides (off steps
     included). next_index[b]: the sequence index of row b's next token."""
     for b, gen in generators.items():
         if b in seeds:
             gen.manual_seed(position_seed(seeds[b], int(next_index[b])))
 
 
-def _position_noise(seed: int, first: int, count: int, vocab: int,
-                    device: torch.device) -> torch.Tensor:
-    """[count, vocab] Exp(1) noise of positions ``first ..`` of a seeded request:
-    what vLLM's sampler draws for that position from a seated generator
-    (``seat_position_generators``), whatever trees earlier steps drafted."""
-    out = torch.empty(count, vocab, device=device)
-    gen = torch.Generator(device=device)
-    for j in range(count):
-        gen.manual_seed(position_seed(seed, first + j))
-        out[j].exponential_(generator=gen)
-    return out
+def plain_step_sampler(sampler):
+    """vLLM's op that samples a plain step's rows from their processed logits and
+    generators (``Sampler.topk_topp_sampler``): its draw for a seeded row is what
+    tree steps reproduce, whatever the release (0.27.1: Exp(1) noise from the
+    generator; 0.32.0 on the CPU: a seed from it for a fused Gumbel-max kernel)."""
+    if sampler is not None:
+        return sampler.topk_topp_sampler
+    import vllm._custom_ops  # noqa: F401 -- loads the kernels the op may call
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    return TopKTopPSampler()
 
 
-def _seeded_acceptance(step: VerifyStep, seeded: list[tuple[int, int]], probs, vocab: int,
-                       acc: Acceptance) -> Acceptance:
-    """Sampled seeded requests accept with per-position noise (``position_samples``),
-    the noise vLLM's sampler uses for the same position on a plain step: their
-    output depends on the seed alone, not on the trees or off steps the adaptive
-    budget chose (timing-dependent). seeded: (tree row, the request's seed);
-    probs: (rows, nodes) -> distributions, as ``node_probs``; only the nodes on
-    the path the samples choose are asked for."""
+def _seeded_draw(op, x: torch.Tensor, k, p, seed: int, index: int) -> int:
+    """The token vLLM's sampler op draws for one row at sequence ``index`` of a
+    request seeded ``seed`` (its generator seated there), from logits ``x`` [V]
+    after temperature, with its top-k / top-p."""
+    gen = torch.Generator(device=x.device).manual_seed(position_seed(seed, index))
+    tokens, _ = op(x.unsqueeze(0).clone(), {0: gen}, None if k is None else k.view(1),
+                   None if p is None else p.view(1))
+    return int(tokens.view(-1)[0])
+
+
+def _seeded_acceptance(step: VerifyStep, seeded: list[tuple[int, int]], node_logits, md,
+                       op, acc: Acceptance) -> Acceptance:
+    """Sampled seeded requests accept with the sample a plain step would draw at
+    each position (``_seeded_draw``): their output depends on the seed alone, not
+    on the trees or off steps the adaptive budget chose (timing-dependent).
+    seeded: (tree row, the request's seed); only the nodes on the path the samples
+    choose are processed."""
     dev = acc.path.device
     rows = torch.tensor([i for i, _ in seeded], device=dev)
-    trees = step.tree.take(rows)
-    count = int(trees.depth.max()) + 1  # the depths these trees use, not the cap
-    noise = torch.stack([_position_noise(seed, int(step.prefix_len[i]) + 1, count, vocab, dev)
-                         for i, seed in seeded])
-    samples = position_samples_on_path(trees, lambda r, nodes: probs(rows[r], nodes), noise)
-    return acc.put(rows, greedy_accept(trees, samples))
+    seed_of = [seed for _, seed in seeded]
+    first = [int(step.prefix_len[i]) + 1 for i, _ in seeded]
+
+    def draw(r: torch.Tensor, nodes: torch.Tensor, d: int) -> torch.Tensor:
+        x, k, p = _scaled(node_logits[rows[r], nodes], md, step.req_index[rows[r]])
+        return torch.tensor([_seeded_draw(op, x[j], None if k is None else k[j],
+                                          None if p is None else p[j],
+                                          seed_of[int(i)], first[int(i)] + d)
+                             for j, i in enumerate(r.tolist())], device=dev)
+
+    samples = samples_on_path(step.tree.take(rows), draw)
+    return acc.put(rows, greedy_accept(step.tree.take(rows), samples))
 
 
 def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifyStep,
@@ -311,8 +321,8 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
                 acc = acc.put(rows, walked)
         seeded = [(i, seed) for i, seed in sampled if seed is not None]
         if seeded:
-            acc = _seeded_acceptance(step, seeded, functools.partial(probs, as_vllm=True),
-                                     logits.shape[-1], acc)
+            acc = _seeded_acceptance(step, seeded, node_logits, md,
+                                     plain_step_sampler(sampler), acc)
     logprobs = None
     if base is not None and md.max_num_logprobs is not None \
             and base.logprobs_tensors is not None:

@@ -22,7 +22,15 @@ integration tests have passed on it, see the README's support matrix):
   - the CPU attention kernel's ISA is an attribute of each attention layer,
     no longer of the backend implementation (``attention_isa``);
   - the CPU attention backend takes blocks of multiples of 32 tokens only
-    (0.27.1: 16).
+    (0.27.1: 16);
+  - speculative metadata is built for steps without drafts too, and the stock
+    rejection sampler fails on them under top-k: the runner samples such steps
+    as plain ones (``TreeRunnerMixin._sample_tree_or_stock``);
+  - the CPU sampler draws a seeded row with a fused Gumbel-max kernel seeded
+    from the request's generator, no longer with Exp(1) noise from it: tree
+    steps draw seeded positions with vLLM's own op (``tree_sampler._seeded_draw``);
+  - the V2 model runner is the default where Triton runs: tree engines fall
+    back to V1 (``spec_config.patch_model_runner_choice``).
 """
 
 from __future__ import annotations
@@ -98,3 +106,22 @@ def grow_kv_cache_config(kv_cache_config: Any, extra: int) -> tuple[Any, int] | 
         return None
     return (dataclasses.replace(kv_cache_config, num_blocks=scale, kv_cache_tensors=grown),
             size // num * extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class AscendPairing:
+    """The vllm-ascend build the Ascend glue was mapped on for one vLLM release, and
+    the torch_npu / CANN that build pairs with (vllm-ascend's own requirements)."""
+
+    vllm_ascend_commit: str  # short hash of vllm-ascend main the hooks were read on
+    vllm_ascend_date: str
+    torch_npu: str
+    cann: str
+
+
+# vLLM release -> the vllm-ascend it runs on. 0.32.0 has none yet: the hooks were
+# only mapped on vllm-ascend main of 2026-08-22 (which pairs with vLLM 0.27.1); a
+# newer vllm-ascend could not be read here (docs/ascend.md).
+ASCEND_PAIRINGS: dict[str, AscendPairing] = {
+    "0.27.1": AscendPairing("182b75e", "2026-08-22", "2.10.0.post4", "9.1.0"),
+}

@@ -21,7 +21,7 @@ from vllm_treespec.attention.ascend.constants import FULL_MASK, TREE_SPARSE
 from vllm_treespec.attention.ascend.settings import FULL_GRAPH_ENV, AscendTreeSettings
 from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse
 from vllm_treespec.config import TreeSpecConfigError
-from vllm_treespec.vllm_glue import runner_class_swapped
+from vllm_treespec.vllm_glue import runner_class_swapped, support, versions
 from vllm_treespec.vllm_glue.ascend.backend import (
     install_backend,
     record_tree_mode,
@@ -33,9 +33,20 @@ from vllm_treespec.vllm_glue.ascend.runner import tree_npu_runner_class
 logger = logging.getLogger("vllm.treespec")
 
 
+def _installed(distribution: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _check_supported(vllm_config) -> None:
     from vllm_ascend.utils import is_310p
 
+    npu = _installed("torch-npu") or getattr(torch_npu, "__version__", None)
+    support.check_ascend_pairing(versions.installed_release(), _installed("vllm-ascend"), npu)
     if is_310p():
         raise TreeSpecConfigError("eagle3_tree on Ascend needs an Atlas A2/A3 device "
                                   "(310P uses a different attention path)")

@@ -1,0 +1,147 @@
+"""Tensor parallelism: eagle3_tree under ``--tensor-parallel-size 2`` on the CPU.
+
+One core a rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), the SmolLM2 pair padded to
+heads that 2 divides (``vllm-treespec assets --tp 2``: the same function). The
+tree servers, adaptive and fixed, answer chat and completion requests, sent
+concurrently, with the TP = 2 plain server's greedy text and real acceptance;
+every server stopped with SIGTERM (busy or idle) leaves no process behind. An
+engine whose rank 1 times everything three times slow (as on a busy core) still
+plans the same depths on both ranks, step by step (``rank_agreement``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+
+from tests.integration.conftest import base_engine, pinned_kernels, run_engine
+from tests.integration.prompts import CHAT_PROMPTS, chat_token_ids
+from vllm_treespec.bench.server import Server, metric_sum
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+SERVE_ARGS = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "1024",
+              "--seed", "0", "--max-num-seqs", "8", "--compilation-config", '{"mode": 0}']
+QUESTIONS = CHAT_PROMPTS[:10]
+MAX_TOKENS = 48
+FIXED = {"num_nodes": 12, "depth": 4, "top_k": 4, "adaptive": False}
+
+
+@pytest.fixture(scope="module")
+def tp_pair():
+    from vllm_treespec.assets import ensure_tp_pair
+
+    return ensure_tp_pair(multiple=2)
+
+
+def start(model, log, spec=None) -> Server:
+    server = Server(str(model), SERVE_ARGS, spec, log, served_name="smollm2",
+                    env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                         **TP_ENV, **pinned_kernels()},
+                    startup_timeout_s=600)
+    server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300)
+    return server
+
+
+def answers(client) -> dict:
+    """Greedy answers, the chat requests four at a time."""
+    def chat(q):
+        return client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS, temperature=0.0).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        out = {"chat": list(pool.map(chat, QUESTIONS))}
+    out["completion"] = client.completions.create(
+        model="smollm2", prompt="The three primary colours are", max_tokens=MAX_TOKENS,
+        temperature=0.0).choices[0].text
+    return out
+
+
+def stop_and_assert_nothing_left(server: Server, busy: bool) -> None:
+    """SIGTERM the server (with a long request streaming if ``busy``); every
+    process it started must be gone within 60 s."""
+    family = [server.proc.pid] + [p.pid for p in psutil.Process(server.proc.pid)
+                                  .children(recursive=True)]
+    assert len(family) >= 3, family  # API server, engine core, two TP workers
+    streaming = None
+    if busy:
+        def stream():
+            try:
+                for _ in server.client.chat.completions.create(
+                        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[0]}],
+                        max_tokens=900, temperature=0.0, stream=True):
+                    pass
+            except Exception:  # noqa: BLE001 -- the server goes away mid-stream
+                pass
+        streaming = threading.Thread(target=stream, daemon=True)
+        streaming.start()
+        time.sleep(3)
+    server.close()
+    deadline = time.time() + 60
+    alive = family
+    while alive and time.time() < deadline:
+        alive = [pid for pid in family if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(1)
+    assert not alive, f"processes left after SIGTERM: {alive}"
+    if streaming is not None:
+        streaming.join(30)
+
+
+@pytest.fixture(scope="module")
+def reference(tp_pair, tmp_path_factory):
+    target, _ = tp_pair
+    plain = start(target, tmp_path_factory.mktemp("tp") / "plain.log")
+    try:
+        out = answers(plain.client)
+    finally:
+        stop_and_assert_nothing_left(plain, busy=False)
+    return out
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
+def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, reference,
+                                                         tmp_path):
+    target, drafter = tp_pair
+    spec = {"method": "eagle3_tree", "model": str(drafter), **({} if adaptive else FIXED)}
+    server = start(target, tmp_path / "tree.log", spec)
+    try:
+        got = answers(server.client)
+        m = server.metrics()
+    finally:
+        stop_and_assert_nothing_left(server, busy=adaptive)
+    assert got == reference
+    assert metric_sum(m, "vllm_treespec:trees_total") > 0, m
+    # Real acceptance, not a budget that turned speculation off: the padded
+    # shipped drafter accepts about as many drafts as the unpadded one.
+    assert metric_sum(m, "vllm_treespec:mean_acceptance_length") >= 1.5, m
+
+
+def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
+    """Rank 1 times every step three times slower than rank 0: with per-rank
+    timings their budgets would plan different depths (and hang in a collective)."""
+    target, drafter = tp_pair
+    prompts = chat_token_ids(tokenizer)[:4]
+    engine = base_engine(target, tensor_parallel_size=2, max_model_len=1024, max_num_seqs=4,
+                         speculative_config={"method": "eagle3_tree", "model": str(drafter)})
+    plain = run_engine({"engine": base_engine(target, tensor_parallel_size=2,
+                                              max_model_len=1024, max_num_seqs=4),
+                        "prompts": prompts,
+                        "sampling": {"temperature": 0.0, "max_tokens": 96}},
+                       engine_dir, "tp2_plain", extra_env=TP_ENV)
+    out = run_engine({"engine": engine, "prompts": prompts, "slow_rank": {"rank": 1,
+                                                                          "factor": 3.0},
+                      "sampling": {"temperature": 0.0, "max_tokens": 96}},
+                     engine_dir, "tp2_slow_rank", extra_env=TP_ENV)
+    assert out["outputs"] == plain["outputs"]
+    rank0, rank1 = out["planned_depths"]
+    assert rank0 == rank1 and len(rank0) > 20
+    assert max(rank0) > 0, "the budget never drafted"

