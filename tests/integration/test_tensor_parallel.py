@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import threading
 import time
 
@@ -20,7 +21,12 @@ import openai
 import psutil
 import pytest
 
-from tests.integration.conftest import base_engine, pinned_kernels, run_engine
+from tests.integration.conftest import (
+    SMALL_M_LINEAR_ENV,
+    base_engine,
+    pinned_kernels,
+    run_engine,
+)
 from tests.integration.prompts import CHAT_PROMPTS, chat_token_ids
 from vllm_treespec.bench.server import Server, metric_sum
 
@@ -32,6 +38,10 @@ SERVE_ARGS = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-
 QUESTIONS = CHAT_PROMPTS[:10]
 MAX_TOKENS = 48
 FIXED = {"num_nodes": 12, "depth": 4, "top_k": 4, "adaptive": False}
+# The CPU runner's linear-kernel choice, as each rank logs it.
+KERNEL_CHOICE = re.compile(r"\(Worker_TP(?P<rank>\d+) pid=\d+\).*eagle3_tree: "
+                           r"(?P<choice>linear layers keep oneDNN's kernels|\d+ linear layers "
+                           r"use W @ x\^T for .+?-row inputs)")
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +51,13 @@ def tp_pair():
     return ensure_tp_pair(multiple=2)
 
 
-def start(model, log, spec=None) -> Server:
+def start(model, log, spec=None, probe_kernels: bool = False) -> Server:
+    """A TP = 2 server; ``probe_kernels``: the CPU runner times its linear-kernel
+    choice at startup on every rank (the tests pin it otherwise)."""
+    kernels = {SMALL_M_LINEAR_ENV: "1"} if probe_kernels else pinned_kernels()
     server = Server(str(model), SERVE_ARGS, spec, log, served_name="smollm2",
                     env={"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                         **TP_ENV, **pinned_kernels()},
+                         **TP_ENV, **kernels},
                     startup_timeout_s=600)
     server.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=300)
     return server
@@ -112,7 +125,10 @@ def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, refe
                                                          tmp_path):
     target, drafter = tp_pair
     spec = {"method": "eagle3_tree", "model": str(drafter), **({} if adaptive else FIXED)}
-    server = start(target, tmp_path / "tree.log", spec)
+    # The adaptive server also times the linear-kernel choice on both ranks at
+    # startup (the choice that, made per rank, once hung a TP = 2 server).
+    log = tmp_path / "tree.log"
+    server = start(target, log, spec, probe_kernels=adaptive)
     try:
         got = answers(server.client)
         m = server.metrics()
@@ -120,9 +136,16 @@ def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, refe
         stop_and_assert_nothing_left(server, busy=adaptive)
     assert got == reference
     assert metric_sum(m, "vllm_treespec:trees_total") > 0, m
-    # Real acceptance, not a budget that turned speculation off: the padded
-    # shipped drafter accepts about as many drafts as the unpadded one.
-    assert metric_sum(m, "vllm_treespec:mean_acceptance_length") >= 1.5, m
+    # Real acceptance, not a budget that turned speculation off (the adaptive
+    # budget drafts short chains here: a TP = 2 verify on two cores is dear).
+    accepted = metric_sum(m, "vllm_treespec:mean_acceptance_length")
+    assert accepted >= (1.2 if adaptive else 1.8), m
+    if adaptive:
+        choices = {}
+        for line in log.read_text().splitlines():
+            if match := KERNEL_CHOICE.search(line):
+                choices.setdefault(match["rank"], []).append(match["choice"])
+        assert set(choices) == {"0", "1"} and choices["0"] == choices["1"], choices
 
 
 def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
