@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     runs = {}
     for method in ("none", "eagle3", "eagle3_tree"):
         path = out / f"{method}.draws.json"
+        if path.exists():  # finished in an earlier sitting: a run resumes
+            runs[method] = json.loads(path.read_text())
+            continue
         subprocess.run([sys.executable, __file__, "--draws", str(args.draws), "--out", str(out),
                         "--child", method, str(path)], check=True, env=env)
         runs[method] = json.loads(path.read_text())

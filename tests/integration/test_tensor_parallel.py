@@ -35,7 +35,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 SERVE_ARGS = ["--tensor-parallel-size", "2", "--dtype", "float32", "--max-model-len", "1024",
               "--seed", "0", "--max-num-seqs", "8", "--compilation-config", '{"mode": 0}']
-QUESTIONS = CHAT_PROMPTS[:10]
+# 10 in the suite (CI time); TREESPEC_TP_QUESTIONS=30 asks the 25 chat prompts and
+# 5 more (the recorded must-show run, benchmarks/RESULTS.md).
+QUESTIONS = (CHAT_PROMPTS + ["Name three fruits.", "What is the capital of France?",
+                             "Count to five.", "Say hello in Spanish.",
+                             "Name a programming language."]
+             )[:int(os.environ.get("TREESPEC_TP_QUESTIONS", "10"))]
 MAX_TOKENS = 48
 FIXED = {"num_nodes": 12, "depth": 4, "top_k": 4, "adaptive": False}
 # The CPU runner's linear-kernel choice, as each rank logs it.
