@@ -30,24 +30,13 @@ LENGTH = 4
 ALPHA = 1e-3
 
 
-def _table(a: Counter, b: Counter) -> list[list[int]]:
-    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
-    common = [k for k in keys if a[k] + b[k] >= 10]
-    rest = [k for k in keys if a[k] + b[k] < 10]
-    table = [[a[k] for k in common], [b[k] for k in common]]
-    if rest:
-        table[0].append(sum(a[k] for k in rest))
-        table[1].append(sum(b[k] for k in rest))
-    return table
-
-
 def pvalue(a: list[tuple], b: list[tuple]) -> float:
-    from scipy import stats
+    """``homogeneity_pvalue``; 1 where all outcomes pool into one column."""
+    from vllm_treespec.bench.homogeneity import contingency_table, homogeneity_pvalue
 
-    table = _table(Counter(a), Counter(b))
-    if len(table[0]) < 2:
+    if len(contingency_table(Counter(a), Counter(b))[0]) < 2:
         return 1.0
-    return float(stats.chi2_contingency(table).pvalue)
+    return float(homogeneity_pvalue(a, b))
 
 
 def draw(method: str, draws: int) -> dict:

@@ -23,6 +23,7 @@ from scipy import stats
 
 from tests.integration.conftest import base_engine, run_engine, small_block_size
 from tests.integration.prompts import chat_token_ids
+from vllm_treespec.bench.homogeneity import contingency_table, homogeneity_pvalue
 
 pytestmark = pytest.mark.vllm
 
@@ -68,24 +69,6 @@ def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
     return [seqs[i * n:(i + 1) * n] for i in range(len(prompts))], out["tree"]
 
 
-def _table(ca: Counter, cb: Counter) -> list[list[int]]:
-    """2 x K counts: outcomes seen >= 10 times in both samples together, the rarer
-    ones pooled into one column."""
-    keys = sorted(set(ca) | set(cb), key=lambda k: -(ca[k] + cb[k]))
-    common = [k for k in keys if ca[k] + cb[k] >= 10]
-    rest = [k for k in keys if ca[k] + cb[k] < 10]
-    table = [[ca[k] for k in common], [cb[k] for k in common]]
-    if rest:
-        table[0].append(sum(ca[k] for k in rest))
-        table[1].append(sum(cb[k] for k in rest))
-    return table
-
-
-def homogeneity_pvalue(a: list[tuple], b: list[tuple]) -> float:
-    """Chi-squared homogeneity of the two distributions of whole sequences."""
-    return stats.chi2_contingency(_table(Counter(a), Counter(b))).pvalue
-
-
 def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: int = 20) -> float:
     """Chi-squared homogeneity of the next-token distributions after every output
     prefix both samples reach at least ``min_context`` times, summed over prefixes.
@@ -106,7 +89,7 @@ def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: i
             cb = after_b.get(context, Counter())
             if min(ca.total(), cb.total()) < min_context:
                 continue
-            table = _table(ca, cb)
+            table = contingency_table(ca, cb)
             if len(table[0]) > 1:
                 result = stats.chi2_contingency(table, correction=False)
                 statistic, dof = statistic + result.statistic, dof + result.dof

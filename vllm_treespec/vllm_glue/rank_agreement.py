@@ -42,11 +42,6 @@ def _group():
     return group if group.world_size > 1 else None
 
 
-def world_size() -> int:
-    group = _group()
-    return 1 if group is None else group.world_size
-
-
 def from_rank0(value: T) -> T:
     """``value`` as tensor-parallel rank 0 has it, on every rank."""
     group = _group()
@@ -55,14 +50,7 @@ def from_rank0(value: T) -> T:
 
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on some tensor-parallel rank (every rank must call)."""
-    group = _group()
-    if group is None:
-        return flag
-    import torch
-
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group.cpu_group)
-    return bool(t.item())
+    return any_rank_each([flag])[0]
 
 
 def any_rank_each(flags: list[bool]) -> list[bool]:
@@ -79,4 +67,4 @@ def any_rank_each(flags: list[bool]) -> list[bool]:
 
 def timings(*seconds: float) -> tuple[Any, ...]:
     """Rank 0's timings (what the adaptive budget learns from) on every rank."""
-    return tuple(from_rank0(list(seconds))) if world_size() > 1 else seconds
+    return tuple(from_rank0(list(seconds)))

@@ -66,12 +66,6 @@ def attention_isa(impl: Any, layer: Any) -> str:
     return isa if isa is not None else impl.isa
 
 
-def kv_tensor_layers(tensor: Any) -> list[str]:
-    """The layers a ``KVCacheTensor`` backs (``shared_by`` on 0.27.1, ``layers`` later)."""
-    layers = getattr(tensor, "layers", None)
-    return list(tensor.shared_by if layers is None else layers)
-
-
 def grow_kv_cache_config(kv_cache_config: Any, extra: int) -> tuple[Any, int] | None:
     """A copy of ``kv_cache_config`` whose every layer has ``extra`` blocks past the
     scheduler's ``num_blocks``, and the bytes that adds; None where the layout does
