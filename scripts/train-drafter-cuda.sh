@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The drafter's CUDA recipe (vllm_treespec/train/cuda_recipe.py; README "Training the
+# The drafter's CUDA recipe (vllm_treespec/train/cuda_recipe.py; docs/drafter.md "Training the
 # drafter on a GPU"):
 #   here, with vLLM:     scripts/train-drafter-cuda.sh pack .drafter-pack
 #   on the GPU machine:  scripts/train-drafter-cuda.sh run .drafter-pack --out DIR
