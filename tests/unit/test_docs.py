@@ -1,0 +1,312 @@
+"""The documentation a newcomer reads stays true to the code and the measurements.
+
+- Every command shown in the README, docs/ and benchmarks/RESULTS.md names flags its
+  parser knows: `vllm-treespec SUB ...` against that sub-command's argparse parser,
+  `vllm serve` / `vllm-treespec serve` against vLLM's own serve parser, `python
+  benchmarks/X.py ...`, `python -m MODULE ...` and `scripts/X.sh ...` against the
+  flags written in the script's source. A `--speculative-config` that selects
+  `eagle3_tree` names only keys the plugin knows.
+- Every relative link resolves.
+- Every ratio and bold figure the README quotes appears on benchmarks/RESULTS.md.
+- The README's tree-keys table matches docs/serving.md's and the config's fields.
+- README <= 250 lines, RESULTS <= 500 (issue 65).
+
+Nothing here spawns a process; vLLM's parser is built once, in process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import re
+import shlex
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), RESULTS]
+
+FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+INLINE = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")
+LINK = re.compile(r"(?<!!)\[[^\]\n]*\]\(([^)\s]+)\)")
+SHELL_STOP = {"|", "||", "&&", ";", ">", ">>", "2>", "<", ")"}
+# Keys vLLM's own speculative config takes that the README says pass through.
+PASS_THROUGH_KEYS = {"method", "model", "draft_tensor_parallel_size", "max_model_len"}
+
+
+def _text(path: Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+# ---- commands ---------------------------------------------------------------------------
+
+def _fenced_lines(text: str) -> list[str]:
+    """Shell lines of fenced blocks, continuation backslashes joined, comments dropped."""
+    lines: list[str] = []
+    for block in FENCE.findall(text):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        lines += [ln.strip() for ln in joined.splitlines()
+                  if ln.strip() and not ln.strip().startswith("#")]
+    return lines
+
+
+def _inline_spans(text: str) -> list[str]:
+    prose = FENCE.sub("", text)
+    return [" ".join(span.split()) for span in INLINE.findall(prose)]
+
+
+def _tokens(line: str) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote in prose: not a command
+        return []
+
+
+def _commands(path: Path) -> list[tuple[str, list[str]]]:
+    """(program, argv) for every command on the page; program is `vllm-treespec`,
+    `vllm`, `python benchmarks/X.py`, `python -m MODULE` or `scripts/X.sh`."""
+    found = []
+    text = _text(path)
+    for line in _fenced_lines(text) + _inline_spans(text):
+        toks = _tokens(line)
+        for i, tok in enumerate(toks):
+            tok = tok.rsplit("$(", 1)[-1]
+            rest = toks[i + 1:]
+            for j, t in enumerate(rest):
+                if t in SHELL_STOP:
+                    rest = rest[:j]
+                    break
+            if tok in ("vllm-treespec", "vllm") and rest:
+                found.append((tok, rest))
+            elif tok in ("python", "python3") and rest:
+                if rest[0].startswith("benchmarks/") and rest[0].endswith(".py"):
+                    found.append((f"python {rest[0]}", rest[1:]))
+                elif rest[0] == "-m" and len(rest) > 1 and rest[1].startswith("vllm_treespec"):
+                    found.append((f"python -m {rest[1]}", rest[2:]))
+            elif re.fullmatch(r"(bash )?scripts/[\w.-]+\.sh", tok):
+                found.append((tok, rest))
+    return found
+
+
+def _flags(argv: list[str]) -> list[str]:
+    """The `--flag` names of argv. Quoted values holding spaces are values, not
+    flags; `[--run NAME]` (optional, as usage lines write it) counts as `--run`."""
+    out = []
+    for tok in argv:
+        tok = tok.strip("[]")
+        if tok.startswith("--") and not re.search(r"\s", tok) and len(tok) > 2:
+            out.append(tok.split("=", 1)[0])
+    return out
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+
+@functools.cache
+def _treespec_options(sub: str) -> frozenset[str]:
+    """Option strings of `vllm-treespec SUB`: its main() is run until it parses."""
+    from vllm_treespec.cli import COMMANDS
+
+    module_name, _, func = COMMANDS[sub][0].partition(":")
+    main = getattr(importlib.import_module(module_name), func or "main")
+
+    def capture(self, *args, **kwargs):
+        raise _Captured(self)
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture):
+        try:
+            main([])
+        except _Captured as got:
+            return frozenset(got.parser._option_string_actions)
+    raise AssertionError(f"vllm-treespec {sub} parsed no arguments")
+
+
+@functools.cache
+def _vllm_serve_options() -> frozenset[str]:
+    """Option strings of vLLM's `serve` parser, where each release keeps it."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # older releases
+        from vllm.utils import FlexibleArgumentParser
+    for name in ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"):
+        try:
+            make_arg_parser = importlib.import_module(name).make_arg_parser
+        except (ImportError, AttributeError):
+            continue
+        parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        return frozenset(o.replace("_", "-") for o in parser._option_string_actions)
+    pytest.skip("vLLM's serve parser not found in this release")
+
+
+def _module_file(module: str) -> Path:
+    base = ROOT / module.replace(".", "/")
+    return base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+
+
+def _source_flags(path: Path) -> str:
+    """A script's source, plus that of the module it hands its arguments to (`python -m
+    vllm_treespec...` in a shell script, `from vllm_treespec... import main`)."""
+    assert path.exists(), f"{_rel(path)} does not exist"
+    source = _text(path)
+    handed = re.findall(r"-m (vllm_treespec[\w.]*)", source)
+    handed += re.findall(r"^from (vllm_treespec[\w.]*) import .*\bmain\b", source, re.M)
+    return source + "".join(_text(_module_file(m)) for m in handed)
+
+
+def _check_source(program: str, argv: list[str], source: str, where: str) -> list[str]:
+    return [f"{where}: {program}: {flag} is not in its argument parser"
+            for flag in _flags(argv) if f'"{flag}"' not in source and f"'{flag}'" not in source]
+
+
+def _check_speculative_config(argv: list[str], where: str) -> list[str]:
+    from vllm_treespec.config import TreeSpecConfig
+
+    known = set(TreeSpecConfig.model_fields) | PASS_THROUGH_KEYS
+    errors = []
+    for flag, value in zip(argv, argv[1:]):
+        if flag != "--speculative-config":
+            continue
+        try:
+            config = json.loads(value)
+        except json.JSONDecodeError as err:
+            errors.append(f"{where}: --speculative-config is not JSON ({err}): {value}")
+            continue
+        if config.get("method") == "eagle3_tree":
+            errors += [f"{where}: --speculative-config key {k!r} is not a tree key"
+                       for k in set(config) - known]
+    return errors
+
+
+def _command_errors(path: Path) -> list[str]:
+    from vllm_treespec.cli import COMMANDS
+
+    where = _rel(path)
+    errors = []
+    for program, argv in _commands(path):
+        if program == "vllm-treespec":
+            sub, args = argv[0], argv[1:]
+            if sub not in COMMANDS:
+                errors.append(f"{where}: vllm-treespec has no sub-command {sub!r}")
+                continue
+            if sub == "serve":
+                program, argv = "vllm", ["serve", *args]
+            elif sub == "vllm":
+                program, argv = "vllm", args
+            else:
+                known = _treespec_options(sub)
+                errors += [f"{where}: vllm-treespec {sub}: {flag} is not one of its flags"
+                           for flag in _flags(args) if flag not in known]
+                continue
+        if program == "vllm":
+            if argv[:1] != ["serve"]:
+                continue  # other vLLM sub-commands: vLLM's own documentation
+            known = _vllm_serve_options()
+            errors += [f"{where}: vllm serve: {flag} is not one of vLLM's serve flags"
+                       for flag in _flags(argv[1:]) if flag.replace("_", "-") not in known]
+            errors += _check_speculative_config(argv, where)
+        elif program.startswith("python benchmarks/"):
+            script = ROOT / program.split(" ", 1)[1]
+            errors += _check_source(program, argv, _source_flags(script), where)
+        elif program.startswith("python -m "):
+            module = program.split()[-1]
+            errors += _check_source(program, argv, _source_flags(_module_file(module)), where)
+        elif program.endswith(".sh"):
+            errors += _check_source(program, argv, _source_flags(ROOT / program.split()[-1]), where)
+    return errors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_command_shown_names_flags_its_parser_knows(page):
+    if page == README:  # the extraction finds commands at all
+        assert len(_commands(page)) >= 5
+    errors = _command_errors(page)
+    assert not errors, "\n".join(errors)
+
+
+def test_the_command_check_catches_a_wrong_flag(tmp_path):
+    """Negative control: a flag no parser has, in each kind of command, is reported."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\nvllm-treespec soak --requests 3 --no-such-flag\n"
+        "python benchmarks/served_ab.py --turns 2 --no-such-flag\n"
+        "vllm-treespec serve M --speculative-config '{\"method\": \"eagle3_tree\", \"nodes\": 3}'\n"
+        "```\n`vllm-treespec bench --no-such-flag`\n", encoding="utf-8")
+    errors = _command_errors(page)
+    assert sum("--no-such-flag" in e for e in errors) == 3, errors  # soak, served_ab, bench
+    assert any("'nodes'" in e for e in errors), errors
+
+
+# ---- links ------------------------------------------------------------------------------
+
+def _broken_links(path: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(FENCE.sub("", _text(path))):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (path.parent / target.split("#", 1)[0]).exists():
+            broken.append(f"{_rel(path)}: link to {target} does not resolve")
+    return broken
+
+
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "benchmarks" / "history" / "RESULTS-history.md"],
+                         ids=_rel)
+def test_every_relative_link_resolves(page):
+    broken = _broken_links(page)
+    assert not broken, "\n".join(broken)
+
+
+# ---- figures ----------------------------------------------------------------------------
+
+FIGURE = re.compile(r"(?<![\w.])(\d+\.\d+)\s?[x×](?!\w)|\*\*(\d+\.\d+)\*\*")
+
+
+def readme_figures() -> list[str]:
+    prose = FENCE.sub("", _text(README))
+    return sorted({a or b for a, b in FIGURE.findall(prose)})
+
+
+def test_every_figure_the_readme_quotes_is_on_the_results_page():
+    figures = readme_figures()
+    assert len(figures) >= 5, figures  # the headline ratios are found at all
+    results = _text(RESULTS)
+    missing = [f for f in figures if not re.search(rf"(?<![\d.]){re.escape(f)}(?!\d)", results)]
+    assert not missing, f"README figures not on benchmarks/RESULTS.md: {missing}"
+
+
+# ---- the tree keys table ----------------------------------------------------------------
+
+def _key_rows(path: Path) -> dict[str, str]:
+    rows = {}
+    for line in _text(path).splitlines():
+        m = re.match(r"\| `(\w+)` \|", line)
+        if m:
+            rows[m.group(1)] = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", line)
+    return rows
+
+
+def test_the_tree_keys_table_matches_the_config_and_the_serving_page():
+    from vllm_treespec.config import TreeSpecConfig
+
+    readme, serving = _key_rows(README), _key_rows(ROOT / "docs" / "serving.md")
+    assert set(readme) == set(TreeSpecConfig.model_fields) | {"model"}
+    assert readme == serving
+
+
+# ---- sizes ------------------------------------------------------------------------------
+
+def test_readme_and_results_stay_short():
+    assert len(_text(README).splitlines()) <= 250
+    assert len(_text(RESULTS).splitlines()) <= 500
