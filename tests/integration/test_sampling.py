@@ -52,19 +52,21 @@ TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adapt
 PARALLEL_TREE = dict(TREE, draft="parallel")
 
 
-def draw(target_dir, prompts, settings, n, engine_dir, name, seed, **extra):
-    """n samples of every prompt, all in one engine (one batch stream)."""
+def draw(target_dir, prompts, settings, n, engine_dir, name, seed, engine=None, env=None,
+         **extra):
+    """n samples of every prompt, all in one engine (one batch stream); ``engine``:
+    more engine settings, ``env``: more environment variables."""
     # Small blocks: the n copies of a prompt share its prefix-cached blocks (vLLM's CPU
     # default of 128 would leave these short prompts uncached and prefill dominating).
     spec = {"engine": base_engine(target_dir, max_num_seqs=128, seed=seed,
-                                  block_size=small_block_size()),
+                                  block_size=small_block_size(), **(engine or {})),
             "prompts": [p for p in prompts for _ in range(n)],
             "sampling": {"max_tokens": LENGTH, "ignore_eos": True},
             "sampling_per_prompt": [s for s in settings for _ in range(n)]}
     if "speculative_config" in extra:
         spec["engine"]["speculative_config"] = extra.pop("speculative_config")
     spec.update(extra)
-    out = run_engine(spec, engine_dir, name)
+    out = run_engine(spec, engine_dir, name, extra_env=env)
     seqs = [tuple(o[0]) for o in out["outputs"]]
     return [seqs[i * n:(i + 1) * n] for i in range(len(prompts))], out["tree"]
 
@@ -96,10 +98,10 @@ def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: i
     return float(stats.chi2.sf(statistic, dof)) if dof else 1.0
 
 
-def assert_same_distributions(plain, tree, metrics):
+def assert_same_distributions(plain, tree, metrics, settings=SETTINGS):
     """Both homogeneity tests pass for every setting, and the trees were really
     used: drafts accepted beyond the first depth."""
-    for setting, a, b in zip(SETTINGS, plain, tree):
+    for setting, a, b in zip(settings, plain, tree, strict=True):
         p = homogeneity_pvalue(a, b)
         assert p > ALPHA, f"{setting}: distributions of sequences differ (p={p:.2e})"
         p = next_token_homogeneity_pvalue(a, b)

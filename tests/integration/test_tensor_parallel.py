@@ -6,7 +6,10 @@ tree servers, adaptive and fixed, answer chat and completion requests, sent
 concurrently, with the TP = 2 plain server's greedy text and real acceptance;
 every server stopped with SIGTERM (busy or idle) leaves no process behind. An
 engine whose rank 1 times everything three times slow (as on a busy core) still
-plans the same depths on both ranks, step by step (``rank_agreement``).
+plans the same depths on both ranks, step by step (``rank_agreement``). At
+T > 0 the TP = 2 tree engine samples what the TP = 2 plain engine samples
+(``test_sampling``'s harness, fewer draws), and a biased acceptance rule fails
+the same test there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ from tests.integration.conftest import (
     run_engine,
 )
 from tests.integration.prompts import CHAT_PROMPTS, chat_token_ids
+from tests.integration.test_sampling import (
+    PROMPTS as SAMPLED_PROMPTS,
+    SETTINGS,
+    TREE,
+    assert_same_distributions,
+    draw,
+)
+from vllm_treespec.bench.homogeneity import homogeneity_pvalue
 from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -173,3 +184,32 @@ def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
     rank0, rank1 = out["planned_depths"]
     assert rank0 == rank1 and len(rank0) > 20
     assert max(rank0) > 0, "the budget never drafted"
+
+
+# T > 0 at TP = 2: two of test_sampling's prompts and settings (plain T = 1, and
+# nucleus), fewer draws (one core a rank), the same tests and thresholds.
+N_TP = 200
+N_TP_CONTROL = 150
+TP2 = {"tensor_parallel_size": 2, "max_model_len": 1024}
+
+
+def test_tp2_tree_samples_match_tp2_plain_sampling(tp_pair, tokenizer, engine_dir):
+    """The trie oracle drafts on every rank from the same plain sample, so the
+    ranks agree on each tree; the acceptance draws must agree too (rank 0's
+    sampler decides). A greedy acceptance rule at T > 0 must fail the test."""
+    target, drafter = tp_pair
+    prompts = chat_token_ids(tokenizer, SAMPLED_PROMPTS[:2])
+    settings = SETTINGS[:2]
+    plain, _ = draw(target, prompts, settings, 2 * N_TP, engine_dir, "tp2_plain_sampled",
+                    seed=1, engine=TP2, env=TP_ENV)
+    oracle = {"mode": "trie", "reference": {",".join(map(str, p)): [list(t) for t in b[:N_TP]]
+                                            for p, b in zip(prompts, plain)}}
+    spec = dict(TREE, model=str(drafter))
+    tree, metrics = draw(target, prompts, settings, N_TP, engine_dir, "tp2_tree_sampled",
+                         seed=3, engine=TP2, env=TP_ENV, speculative_config=spec,
+                         oracle=oracle)
+    assert_same_distributions(plain, tree, metrics, settings)
+    biased, _ = draw(target, prompts[:1], settings[:1], N_TP_CONTROL, engine_dir,
+                     "tp2_tree_biased", seed=4, engine=TP2, env=TP_ENV,
+                     speculative_config=spec, oracle=oracle, break_stochastic=True)
+    assert homogeneity_pvalue(plain[0], biased[0]) < 1e-6
