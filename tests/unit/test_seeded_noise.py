@@ -49,3 +49,16 @@ def test_a_plain_step_draws_what_a_tree_step_draws_for_its_position():
     # Negative control: a stream generator (stock vLLM) picks other tokens.
     streamed = plain_step_tokens(logits, k, p, seeds, positions, seat=False)
     assert sum(s != t for s, t in zip(streamed, plain)) >= len(positions) // 2
+
+
+def test_position_seeds_are_a_fixed_digest_not_pythons_hash_of_a_tuple():
+    """A seeded request's text must not hang on CPython's tuple hash (its algorithm
+    changed in 3.8 and may again); the old seeds were ``hash((seed, index))``."""
+    from vllm_treespec.vllm_glue.tree_sampler import position_seed
+
+    pinned = {(0, 0): 7120306904099482837, (1234, 17): 2128133252485127613,
+              (-5, 3): 289003891355039093}
+    assert {pair: position_seed(*pair) for pair in pinned} == pinned
+    assert all(position_seed(*pair) != hash(pair) & (2**63 - 1) for pair in pinned)
+    seeds = {position_seed(s, i) for s in range(20) for i in range(50)}
+    assert len(seeds) == 1000 and all(0 <= x < 2**63 for x in seeds)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 
 import torch
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
@@ -82,8 +83,8 @@ class VerifyStep:
 
     req_index: torch.Tensor      # [Bt] batch rows that carry a tree
     tree: TreeBatch              # [Bt, T]
-    prefix_len: torch.Tensor     # [Bt] position of each root (= computed tokens)
-    token_start: torch.Tensor    # [Bt] flat query index of each root
+    prefix_len: torch.Tensor     # [Bt] position of each root (= tokens before it)
+    token_start: torch.Tensor    # [Bt] flat query index of each root (its drafts follow)
     logit_start: torch.Tensor    # [Bt] logits row of each root
     num_reqs: int
     # Per tree, per draft node: its draft probability (the product along its path).
@@ -204,9 +205,11 @@ def node_table(probs, rows: torch.Tensor, tree_size: int) -> torch.Tensor:
 
 
 def position_seed(seed: int, index: int) -> int:
-    """Generator seed of sequence position ``index`` of a request seeded ``seed``
-    (a hash of the pair: int tuples hash the same in every process)."""
-    return hash((seed, index)) & (2**63 - 1)
+    """Generator seed of sequence position ``index`` of a request seeded ``seed``:
+    a fixed digest of the pair (Python's ``hash`` of a tuple is CPython's to
+    change between releases, and a seeded request must reproduce on any)."""
+    digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def seat_position_generators(generators: dict[int, torch.Generator],
