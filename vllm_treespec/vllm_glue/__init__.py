@@ -33,14 +33,33 @@ def forget_resolved_backends() -> None:
 
 
 @contextlib.contextmanager
-def runner_class_swapped(module: ModuleType, name: str,
-                         tree_class: Callable[[type], type]) -> Iterator[None]:
+def runner_class_swapped(module: ModuleType, name: str, tree_class: Callable[[type], type],
+                         worker: object) -> Iterator[None]:
     """While inside, the runner class a stock worker instantiates by name
     (``module.name``) is the tree runner built from it; restored on exit, so
-    the swap lasts for the worker's ``init_device`` only."""
-    stock = getattr(module, name)
-    setattr(module, name, tree_class(stock))
+    the swap lasts for the worker's ``init_device`` only.
+
+    On a clean exit ``worker.model_runner`` must be that tree runner. A vLLM
+    whose worker builds its runner some other way would otherwise serve stock
+    ``eagle3`` with k = ``num_nodes`` chain drafts: correct, but very slow."""
+    from vllm_treespec.config import TreeSpecConfigError
+
+    stock = getattr(module, name, None)
+    if not isinstance(stock, type):
+        raise TreeSpecConfigError(
+            f"eagle3_tree: {module.__name__}.{name} is {stock!r}, not the model runner class "
+            f"the worker instantiates; this vLLM builds its runner differently from the "
+            f"supported releases, and the tree runner cannot be put in its place")
+    built = tree_class(stock)
+    setattr(module, name, built)
     try:
         yield
     finally:
         setattr(module, name, stock)
+    runner = getattr(worker, "model_runner", None)
+    if not isinstance(runner, built):
+        raise TreeSpecConfigError(
+            f"eagle3_tree: {type(worker).__name__}.init_device built "
+            f"{type(runner).__name__}, not the tree runner: the worker no longer "
+            f"instantiates {module.__name__}.{name}, the name the plugin swaps; trees would "
+            f"be served as stock eagle3 chains of num_nodes drafts")

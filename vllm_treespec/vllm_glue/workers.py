@@ -10,9 +10,7 @@ from __future__ import annotations
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_treespec.vllm_glue import cpu_attention, runner_class_swapped
-from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue.cpu_runner import tree_cpu_runner_class
-from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
 
 
 class TreeCPUWorker(CPUWorker):
@@ -23,12 +21,9 @@ class TreeCPUWorker(CPUWorker):
         model_config, cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
         cpu_attention.probe_kv_layout(model_config.dtype, cache_config.block_size,
                                       model_config.get_head_size())
-        with runner_class_swapped(cpu_worker, "CPUModelRunner", tree_cpu_runner_class):
+        # Checks that the worker built the tree runner (not, e.g., vLLM's V2 runner).
+        with runner_class_swapped(cpu_worker, "CPUModelRunner", tree_cpu_runner_class, self):
             super().init_device()
-        if not isinstance(self.model_runner, TreeRunnerMixin):  # e.g. vLLM's V2 runner
-            raise TreeSpecConfigError(
-                f"eagle3_tree: the CPU worker built {type(self.model_runner).__name__}, not "
-                f"the tree runner; trees would be verified as stock chains")
 
 
 def __getattr__(name: str):

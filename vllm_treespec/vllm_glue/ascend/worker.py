@@ -108,7 +108,8 @@ class TreeNPUWorker(NPUWorker):
 
         record_tree_mode()
         install_backend()
-        with runner_class_swapped(npu_worker, "NPUModelRunner", tree_npu_runner_class):
+        with runner_class_swapped(npu_worker, "NPUModelRunner", tree_npu_runner_class,
+                                  self):
             super().init_device()
         variant = _select_variant(self, self.tree_settings)
         set_active_variant(variant)
