@@ -23,6 +23,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 logger = logging.getLogger("vllm.treespec")
@@ -94,27 +95,39 @@ def trace_dir_from(setting: str | None) -> str | None:
     return setting or os.environ.get(TRACE_ENV) or None
 
 
-def validated(tree, vocab_size: int, repair: Callable, describe: Callable,
-              trace_dir: str | None):
-    """``tree`` (a ``TreeBatch``) once every request's tree passes ``validate``.
+def validated(build: Callable[[], Any], vocab_size: int, repair: Callable[[int], None],
+              stage: str, req_ids: Sequence[str], prefix_len: Sequence[int],
+              trace_dir: str | None, check: bool = True,
+              lists: Callable[[], list] | None = None):
+    """The ``TreeBatch`` ``build()`` returns (row b: request ``req_ids[b]``), once
+    every request's tree is well formed: ``build`` did not refuse it and, with
+    ``check``, it passes ``validate``.
 
-    A malformed request tree is dumped (``describe(error, tree)`` is the payload)
-    and replaced by ``repair(tree, request)``, a safe stand-in: the step goes on
-    for every request. A repair that fails validation again raises.
+    A malformed request tree is dumped (with ``stage``, the drafter's or the
+    verifier's, the rows' prefix lengths, and the trees: ``lists()`` where
+    ``build`` refused them) and ``repair(request)`` puts a safe stand-in in its
+    place before the next ``build()``: the step goes on for every request. A
+    repair that is malformed again raises.
     """
     from vllm_treespec.tree import TreeInvariantError
 
     repaired: set[int] = set()
     while True:
+        tree = None
         try:
-            tree.validate(vocab_size=vocab_size)
+            tree = build()
+            if check:
+                tree.validate(vocab_size=vocab_size)
             return tree
         except TreeInvariantError as err:
             if err.request in repaired:
                 raise
             repaired.add(err.request)
-            dump_failure(err, describe(err, tree), trace_dir)
-            tree = repair(tree, err.request)
+            trees = tree.to_lists() if tree is not None else lists() if lists else None
+            dump_failure(err, {"stage": stage, "request_id": req_ids[err.request],
+                               "trees": trees, "prefix_len": [int(n) for n in prefix_len],
+                               "req_ids": list(req_ids)}, trace_dir)
+            repair(err.request)
 
 
 class InvalidTreeInjector:

@@ -164,6 +164,42 @@ def test_a_draft_vocabulary_map_beyond_the_target_is_refused(drafter_copy):
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
 
 
+def test_a_draft_vocabulary_map_that_merges_two_draft_tokens_is_refused(drafter_copy):
+    """Two draft tokens of one target token would be two siblings with one token:
+    refused naming both and the target token (used to pass: only the range was
+    checked)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(drafter_copy / "model.safetensors")
+    d2t = weights["d2t"]
+    target = int(d2t[3]) + 3
+    d2t[7] = target - 7  # draft token 7 now maps where draft token 3 does
+    save_file(weights, drafter_copy / "model.safetensors")
+    with pytest.raises(TreeSpecConfigError, match=rf"d2t maps draft tokens \[3, 7\] all to "
+                                                  rf"target token {target} .*injective"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_the_loaded_vocabulary_map_of_a_hub_drafter_is_checked_too(monkeypatch):
+    """A hub drafter's files are vLLM's to fetch: its map is checked once loaded."""
+    from vllm.v1.spec_decode.eagle import EagleProposer
+    from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
+
+    monkeypatch.setattr(EagleProposer, "load_model", lambda self, *a, **k: None)
+    proposer = TreeEagleProposer.__new__(TreeEagleProposer)
+    proposer.tree_cfg = SimpleNamespace(draft="sequential")
+    proposer.vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 100),
+        speculative_config=SimpleNamespace(model="someone/some-eagle3-head"))
+    proposer.model = SimpleNamespace(draft_id_to_target_id=torch.tensor([5, 4, 10]))
+    with pytest.raises(TreeSpecConfigError, match=r"'someone/some-eagle3-head'.*draft tokens "
+                                                  r"\[0, 1\] all to target token 5"):
+        proposer.load_model()
+    proposer.model = SimpleNamespace(draft_id_to_target_id=torch.tensor([5, 5, 10]))
+    proposer._token_map_cache = None  # a fresh load
+    proposer.load_model()  # 5, 6, 12: injective
+
+
 def test_parallel_drafting_needs_a_head_trained_for_it(drafter_copy):
     """"draft": "parallel": pard_token in config.json, mask_hidden in the weights
     (sized like fc's input), and at least as many trained slots as the depth."""

@@ -159,3 +159,15 @@ def test_validate_names_the_request_and_node():
 def test_token_beyond_vocab_is_rejected():
     with pytest.raises(TreeInvariantError, match="token 9 outside"):
         _good().validate(vocab_size=9)
+
+
+def test_a_node_with_more_children_than_max_children_is_refused():
+    """The children table has max_children columns: a third child under a bound of
+    two used to be written over the second's column (the table then named node 3
+    twice and node 2 never), silently."""
+    with pytest.raises(TreeInvariantError, match=r"request 1, node 3: node 0 has 3 "
+                                                 r"children; allowed: at most max_children=2"):
+        TreeBatch.from_parents([[5, 6], [5, 6, 7, 8]], [[0, 0], [0, 0, 0, 0]], tree_size=4,
+                               max_children=2)
+    wide = TreeBatch.from_parents([[5, 6, 7, 8]], [[0, 0, 0, 0]], tree_size=4)
+    assert wide.max_children == 3 and wide.children[0, 0].tolist() == [1, 2, 3]

@@ -64,14 +64,6 @@ class Acceptance:
     num_accepted: torch.Tensor
     tokens: torch.Tensor
 
-    def where(self, take_self: torch.Tensor, other: "Acceptance") -> "Acceptance":
-        """Per-request choice between two results (e.g. greedy vs stochastic rows)."""
-        m = take_self.unsqueeze(1)
-        return Acceptance(path=torch.where(m, self.path, other.path),
-                          num_accepted=torch.where(take_self, self.num_accepted,
-                                                   other.num_accepted),
-                          tokens=torch.where(m, self.tokens, other.tokens))
-
     def put(self, rows: torch.Tensor, other: "Acceptance") -> "Acceptance":
         """This result with batch rows ``rows`` replaced by ``other`` (one row of
         ``other`` per entry of ``rows``, as from a ``TreeBatch.take``)."""

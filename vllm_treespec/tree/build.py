@@ -48,7 +48,8 @@ def top_k_sanitized(logprobs: torch.Tensor, k: int, token_map: torch.Tensor | No
     Only the k winners are sanitised (cheap): NaN sorts first in ``topk`` but then
     scores MIN_LOGPROB, so a broken draft row yields unlikely, never invalid, nodes.
     ``token_map`` translates draft-vocabulary ids to target ids (EAGLE-3 drafters
-    score a reduced vocabulary; the map is injective, so siblings stay distinct).
+    score a reduced vocabulary; the map is injective, so siblings stay distinct:
+    the glue refuses a drafter whose map is not, ``support.check_token_map``).
     """
     logp, tok = torch.topk(logprobs, k, dim=-1)
     if token_map is not None:

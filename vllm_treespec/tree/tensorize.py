@@ -121,7 +121,12 @@ class TreeBatch:
 
     @functools.cached_property
     def children(self) -> torch.Tensor:
-        """[B, T, C] children of each node in order; unused entries point at the root (0)."""
+        """[B, T, C] children of each node in order; unused entries point at the root (0).
+
+        A node has at most C = ``max_children`` children: the builders never make
+        more, ``from_parents`` refuses more and ``validate`` checks it. (Beyond C,
+        the clamp below would write a child over its C-th sibling's column.)
+        """
         B, T, C = self.batch_size, self.tree_size, self.max_children
         table = torch.zeros(B, T * C + 1, dtype=torch.long, device=self.device)
         is_child = self.valid & (self.node_index > 0)
@@ -243,6 +248,7 @@ class TreeBatch:
         """Build from per-request Python lists (root included at index 0).
 
         ``parents[b][i]`` is the parent of node i (``parents[b][0]`` is ignored).
+        A node with more than ``max_children`` children raises TreeInvariantError.
         Convenience for tests, static trees and traces — not the hot path.
         """
         B, T = len(tokens), tree_size
@@ -266,6 +272,12 @@ class TreeBatch:
                 deepest = max(deepest, int(dep[b, i]))
                 kids[p] = kids.get(p, 0) + 1
                 widest = max(widest, kids[p])
+                if max_children is not None and kids[p] > max_children:
+                    # ``children`` has max_children columns: refused here rather
+                    # than written over another child's column.
+                    raise TreeInvariantError(b, i, f"node {p} has {kids[p]} children; "
+                                                   f"allowed: at most max_children="
+                                                   f"{max_children}")
         return cls(token=tok.to(device), parent=par.to(device), depth=dep.to(device),
                    num_nodes=num.to(device), max_depth=max_depth or deepest,
                    max_children=max_children or widest)

@@ -10,7 +10,7 @@ import torch
 
 from vllm_treespec.attention.cpu_layout import kv_views, slot_elements
 from vllm_treespec.vllm_glue import cpu_linear, versions
-from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
+from vllm_treespec.vllm_glue.runner import TreeRunnerMixin, distinct_kv_caches
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -37,11 +37,7 @@ class _CPUDevice:
         """Two indexing ops a layer on the flat cache (K and V of every head at
         once; per view, K's transposed layout made it ten)."""
         elements: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        seen = set()
-        for cache in self.kv_caches:
-            if cache is None or cache.data_ptr() in seen:
-                continue
-            seen.add(cache.data_ptr())
+        for cache, _ in distinct_kv_caches(self.kv_caches, self._kv_views):
             shape = tuple(cache.shape)
             if shape not in elements:
                 bs = shape[2]

@@ -35,6 +35,8 @@ class Totals:
     accept_s: float = 0.0
     commit_s: float = 0.0
     draft_faults: int = 0     # drafting steps that raised and fell back to no drafts
+    unmatched_trees: int = 0  # scheduled drafts that were not their proposed tree: chains
+    placeholder_drafts: int = 0  # vLLM's -1 placeholder drafts, verified as token 0
 
     def add_depths(self, counts: list[int]) -> None:
         if len(counts) > len(self.accepted_at_depth):
@@ -52,6 +54,8 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
     return {
         "steps": t["steps"], "chain_steps": t.get("chain_steps", 0), "trees": t["trees"],
         "draft_faults": t.get("draft_faults", 0),
+        "unmatched_trees": t.get("unmatched_trees", 0),
+        "placeholder_drafts": t.get("placeholder_drafts", 0),
         "mean_accept_len": t["emitted"] / trees,
         "mean_tree_size": t["nodes"] / trees,
         "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
@@ -80,6 +84,16 @@ def format_summary(s: dict[str, Any]) -> str:
                 s["accept_ms_per_step"], s["commit_ms_per_step"]))
 
 
+# Fallbacks that keep a step correct at a cost in speculation: counted (``/metrics``)
+# and warned of the first time, so that a steady stream of them is seen.
+FALLBACKS = {
+    "unmatched_trees": "a request's scheduled drafts were not the tree proposed for it "
+                       "(another tensor-parallel rank's, or none); verified as a chain",
+    "placeholder_drafts": "vLLM scheduled -1 placeholder drafts (a request padded to the "
+                          "batch's draft count); verified as a chain of token 0",
+}
+
+
 class TreeMetrics:
     def __init__(self, trace: TraceWriter | None = None, to_frontend: bool = False,
                  log_interval_s: float | None = 10.0):
@@ -93,6 +107,7 @@ class TreeMetrics:
         self._last_log = time.monotonic()
         self._pending: dict[str, Any] | None = None
         self._forward_s = 0.0
+        self._warned: set[str] = set()
 
     @classmethod
     def from_vllm_config(cls, vllm_config, tree_cfg) -> "TreeMetrics":
@@ -186,6 +201,17 @@ class TreeMetrics:
     def on_draft_fault(self) -> None:
         for t in self._both():
             t.draft_faults += 1
+
+    def on_fallback(self, key: str, count: int) -> None:
+        """``count`` more of the fallback ``key`` (one of ``FALLBACKS``)."""
+        if not count:
+            return
+        for t in self._both():
+            setattr(t, key, getattr(t, key) + count)
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("eagle3_tree: %s (%d this step; counted as vllm_treespec:%s on "
+                           "/metrics, not logged again)", FALLBACKS[key], count, key)
 
     def on_draft(self, seconds: float) -> None:
         for t in self._both():

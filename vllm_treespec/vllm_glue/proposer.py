@@ -31,7 +31,6 @@ parallel-drafting slots (``parallel_drafts``).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import torch
@@ -43,13 +42,13 @@ from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.observability import InvalidTreeInjector, trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
-from vllm_treespec.vllm_glue import rank_agreement
+from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
+from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
 from vllm_treespec.vllm_glue.parallel_drafts import ParallelDrafting
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
-logger = logging.getLogger("vllm.treespec")
 
 @dataclasses.dataclass
 class ProposedTree:
@@ -58,6 +57,18 @@ class ProposedTree:
     tokens: list[int]   # draft tokens, BFS order (root excluded)
     parents: list[int]  # parent node index of each draft node (root = 0)
     probs: list[float]  # draft probability of reaching each node (exp of its score)
+
+    @classmethod
+    def chain(cls, tokens) -> "ProposedTree":
+        """Drafts verified as a chain, each the child of the one before, with no
+        draft probabilities: correct whatever the tokens (each is verified as a
+        deterministic proposal), for drafts whose tree is unknown here."""
+        tokens = list(tokens)
+        return cls(tokens, list(range(len(tokens))), [0.0] * len(tokens))
+
+    def prefix(self, n: int) -> "ProposedTree":
+        """The first ``n`` nodes (BFS order keeps any prefix a tree)."""
+        return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n])
 
 
 class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
@@ -83,11 +94,14 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
         self._with_fault = InvalidTreeInjector()  # test-only (the soak's --invalid-trees)
         self.catch_up_tokens = 0
-        self.faults = 0  # drafting steps that raised (see propose)
-        self._last_fault_log = 0.0
+        self.faults = DraftFaults()  # drafting steps that raised (see propose)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        token_map = self._token_map()
+        if token_map is not None:  # a hub drafter's too, whose files were not checked
+            support.check_token_map(token_map, self.vllm_config.model_config.get_vocab_size(),
+                                    self.vllm_config.speculative_config.model)
         if self.tree_cfg.draft == "parallel":
             self._load_parallel_state()
 
@@ -121,31 +135,28 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
 
         Drafts are only proposals: if drafting raises, this step goes without
         drafts (plain decoding is always correct) rather than taking the engine
-        down; the fault is counted and logged at most once a minute.
+        down; the fault is counted and logged (``DraftFaults``: out-of-memory and
+        device errors, and one error step after step, are raised instead).
         """
         t0 = time.perf_counter()
         try:
             drafts = self._draft_trees(t0, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 -- see above
+            if device_failure(err):
+                raise
             rank_agreement.any_rank(True)
             return self._no_drafts_after(err, t0)
         if rank_agreement.any_rank(False):  # failed on another rank: none here either
             return self._no_drafts_after(RuntimeError("drafting failed on another "
                                                       "tensor-parallel rank"), t0)
+        self.faults.succeeded()
         return drafts
 
     def _no_drafts_after(self, err: Exception, t0: float) -> list[list[int]]:
-        req_ids = list(self.runner.input_batch.req_ids)
+        self.faults.failed(err)
         # Deferred inputs may be half caught up: drop them (drafter KV those
         # positions miss costs draft quality only).
-        self.deferred.forget(req_ids)
-        now = time.monotonic()
-        first = self.faults == 0
-        self.faults += 1
-        if first or now - self._last_fault_log >= 60.0:
-            logger.warning("eagle3_tree: drafting failed (%d time(s) so far); this step "
-                           "decodes without drafts: %r", self.faults, err, exc_info=first)
-            self._last_fault_log = now
+        self.deferred.forget(list(self.runner.input_batch.req_ids))
         metrics = getattr(self.runner, "tree_metrics", None)
         if metrics is not None:
             metrics.on_draft_fault()
@@ -328,19 +339,14 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
         trees = self._with_fault(trees)
-        req_ids = self.runner.input_batch.req_ids
         keep = trees.num_nodes.clone()
 
-        def describe(err, trees):
-            return {"stage": "draft", "request_id": req_ids[err.request],
-                    "trees": trees.to_lists(), "prefix_len": prefix_len.tolist(),
-                    "req_ids": list(req_ids[: trees.batch_size])}
-
-        def without_drafts(trees, b):
+        def without_drafts(b):
             keep[b] = 0
-            return trees.truncated(keep)
 
-        return validated(trees, self.runner.input_batch.vocab_size, without_drafts, describe,
+        req_ids = list(self.runner.input_batch.req_ids[:trees.batch_size])
+        return validated(lambda: trees.truncated(keep), self.runner.input_batch.vocab_size,
+                         without_drafts, "draft", req_ids, prefix_len.tolist(),
                          trace_dir_from(self.tree_cfg.trace_dir))
 
     def _side_capacity(self) -> int:
@@ -376,22 +382,19 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         return out
 
     # ------------------------------------------------------------------ verify
-    def tree_for(self, req_id: str, scheduled: list[int]
-                 ) -> tuple[list[int], list[int], list[float]]:
-        """(tokens, parents, draft probabilities) of the scheduled drafts (a node's
-        probability: the product of its path's draft probabilities; their sum is
-        the drafts the proposer expects to be accepted).
+    def tree_for(self, req_id: str, scheduled: list[int]) -> ProposedTree:
+        """The tree of the scheduled drafts (a node's draft probability: the
+        product of its path's; their sum is the drafts the proposer expects to be
+        accepted).
 
         The scheduler may have truncated the drafts (token budget, max length): BFS
         order keeps any prefix a valid tree. Drafts that do not match what was
         proposed (e.g. placeholders after a fallback) are verified as a chain,
         which is always correct.
         """
-        n = len(scheduled)
         if self.proposed_here(req_id, scheduled):
-            tree = self.proposed[req_id]
-            return tree.tokens[:n], tree.parents[:n], tree.probs[:n]
-        return list(scheduled), list(range(n)), [0.0] * n
+            return self.proposed[req_id].prefix(len(scheduled))
+        return ProposedTree.chain(scheduled)
 
     def proposed_here(self, req_id: str, scheduled: list[int]) -> bool:
         """Whether the scheduled drafts are (a prefix of) what this process proposed."""

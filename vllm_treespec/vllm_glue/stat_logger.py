@@ -15,6 +15,8 @@ would see part of the steps). Series:
     vllm_treespec:emitted_tokens_total (accepted drafts + bonus),
     vllm_treespec:accepted_at_depth_total{depth}, vllm_treespec:stage_seconds_total{stage},
     vllm_treespec:draft_faults_total (drafting steps that raised; no drafts that step),
+    vllm_treespec:unmatched_trees_total (scheduled drafts not their proposed tree: chains),
+    vllm_treespec:placeholder_drafts_total (vLLM's -1 placeholders, verified as token 0),
     vllm_treespec:mean_acceptance_length, vllm_treespec:mean_tree_size (since start)
 """
 
@@ -70,6 +72,11 @@ class TreeStatLogger(StatLoggerBase):
                               "Tokens emitted by tree steps (accepted drafts + bonus)")
         self.faults = series(C, "vllm_treespec:draft_faults",
                              "Drafting steps that raised and fell back to no drafts")
+        self.unmatched = series(C, "vllm_treespec:unmatched_trees",
+                                "Requests whose scheduled drafts were not their proposed "
+                                "tree, verified as chains")
+        self.placeholders = series(C, "vllm_treespec:placeholder_drafts",
+                                   "vLLM's -1 placeholder drafts, verified as token 0")
         self.at_depth = series(C, "vllm_treespec:accepted_at_depth",
                                "Trees that accepted at least `depth` draft tokens", ["depth"])
         self.stage = series(C, "vllm_treespec:stage_seconds",
@@ -90,6 +97,8 @@ class TreeStatLogger(StatLoggerBase):
         self.nodes.inc(delta["nodes"])
         self.emitted.inc(delta["emitted"])
         self.faults.inc(delta["draft_faults"])
+        self.unmatched.inc(delta.get("unmatched_trees", 0))
+        self.placeholders.inc(delta.get("placeholder_drafts", 0))
         for d, c in enumerate(delta["accepted_at_depth"]):
             self.at_depth.labels(**self.labels, depth=str(d + 1)).inc(c)
         for stage, key in (("draft", "draft_s"), ("prepare", "prepare_s"),

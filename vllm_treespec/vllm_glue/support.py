@@ -177,15 +177,39 @@ def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> Any:
         raise bad_drafter(file, f"fc.weight has shape {list(fc)}; an EAGLE-3 drafter of "
                                 f"this target needs {fc_inputs} inputs (3 x hidden_size)")
     if d2t is not None:
-        target_ids = torch.arange(d2t.numel()) + d2t.flatten()
-        if target_ids.numel() and not (0 <= int(target_ids.min()) and int(target_ids.max()) < vocab):
-            raise bad_drafter(file, f"d2t maps draft tokens to target ids "
-                                    f"{int(target_ids.min())}..{int(target_ids.max())}; the "
-                                    f"target vocabulary is 0..{vocab - 1}")
+        check_token_map(torch.arange(d2t.numel()) + d2t.flatten(), vocab, file)
     if mask is not None and math.prod(mask) != fc_inputs:
         raise bad_drafter(file, f"mask_hidden has shape {list(mask)}; a parallel-drafting "
                                 f"head of this target needs {fc_inputs} values")
     return mask
+
+
+def check_token_map(target_ids: Any, vocab: int, where: Path | str) -> None:
+    """A drafter's vocabulary map (``target_ids[i]``: the target token of draft
+    token i, i.e. ``i + d2t[i]``) lands in the target vocabulary and is
+    injective. The tree builder takes a node's children as the top-k draft
+    tokens mapped through it: two draft tokens of one target token would be two
+    siblings carrying the same token, and lossless acceptance at T > 0 needs
+    distinct siblings (the second would be tried against a residual that has
+    already removed its token)."""
+    import torch
+
+    ids = torch.as_tensor(target_ids).flatten().long().cpu()
+    if not ids.numel():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if not (0 <= low and high < vocab):
+        raise bad_drafter(where, f"d2t maps draft tokens to target ids {low}..{high}; the "
+                                 f"target vocabulary is 0..{vocab - 1}")
+    unique, counts = torch.unique(ids, return_counts=True)
+    if unique.numel() < ids.numel():
+        token = int(unique[counts > 1][0])
+        drafts = (ids == token).nonzero().flatten().tolist()
+        raise bad_drafter(where, f"d2t maps draft tokens {drafts} all to target token "
+                                 f"{token} ({ids.numel() - unique.numel()} draft token(s) "
+                                 f"repeat a target id); allowed: an injective map, distinct "
+                                 f"draft tokens to distinct target tokens (a tree's siblings "
+                                 f"must differ for lossless acceptance)")
 
 
 def check_engine(vllm_config: Any, num_nodes: int) -> None:
