@@ -10,10 +10,28 @@ Owns :class:`TreeAttentionBuffers`. Imports :mod:`.constants` and :mod:`.plans`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from vllm_treespec.attention.ascend.constants import ASCEND_BLOCK_SIZE
+from vllm_treespec.attention.ascend.constants import (
+    ASCEND_BLOCK_SIZE,
+    FULL_MASK,
+    TREE_SPARSE,
+    TRITON,
+    TWO_PASS,
+)
 from vllm_treespec.attention.ascend.plans import TreeAttentionPlan
+
+# The persistent tensors each fused variant touches (shapes: ``_shapes``). ``triton``
+# keeps none: its per-row ancestor words are built per step and do not grow with context.
+_USES = {
+    FULL_MASK: ("full_mask", "q_pad", "out_pad", "lse_unused"),
+    TWO_PASS: ("pair_mask", "prefix_out", "prefix_lse", "q_pad", "k_pad", "v_pad",
+               "out_pad", "tree_lse"),
+    TREE_SPARSE: ("flat_mask", "prefix_out", "lse_unused"),
+    TRITON: (),
+}
 
 
 class TreeAttentionBuffers:
@@ -37,6 +55,41 @@ class TreeAttentionBuffers:
         self.window_len = torch.ones(R, dtype=torch.long, device=self.device)
         self._tensors: dict[str, torch.Tensor] = {}
         self._written: dict[str, int] = {}
+
+    # ---- memory -------------------------------------------------------------
+    def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        R, T, H, KVH, D, dt = self.max_reqs, self.T, self.H, self.KVH, self.D, self.dtype
+        return {"full_mask": ((R, 1, T, self.full_mask_columns), torch.int8),
+                "pair_mask": ((R, 1, T, T), torch.int8),
+                "flat_mask": ((R * T * T,), torch.int8),
+                "q_pad": ((R, T, H, D), dt), "out_pad": ((R, T, H, D), dt),
+                "prefix_out": ((R, T, H, D), dt),
+                "k_pad": ((R, T, KVH, D), dt), "v_pad": ((R, T, KVH, D), dt),
+                "prefix_lse": ((R * T, H, 1), torch.float32),
+                "tree_lse": ((R, H, T, 1), torch.float32),
+                "lse_unused": ((1,), torch.float32)}
+
+    def reserved_bytes(self, variant: str) -> int:
+        """Bytes :meth:`reserve` allocates for ``variant`` (docs/ascend.md, Memory)."""
+        shapes = self._shapes()
+        return sum(math.prod(shapes[n][0]) * shapes[n][1].itemsize for n in _USES[variant])
+
+    def reserve(self, variant: str) -> int:
+        """Allocate every persistent tensor ``variant`` uses now, so that vLLM's
+        profiling run counts them before it sizes the KV cache (a lazy first
+        allocation at the first tree step would come out of the KV cache's share).
+        Returns the bytes held for ``variant``."""
+        shapes = self._shapes()
+        for name in _USES[variant]:
+            shape, dtype = shapes[name]
+            if name in ("pair_mask", "flat_mask"):
+                self._causal_tiles(name, shape)
+            else:
+                self._get(name, shape, dtype, fill=0 if name == "full_mask" else None)
+        return self.reserved_bytes(variant)
+
+    def allocated_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def fits(self, batch_size: int, tree_size: int) -> bool:
         return batch_size <= self.max_reqs and tree_size == self.T

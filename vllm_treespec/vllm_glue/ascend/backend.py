@@ -73,6 +73,7 @@ from vllm_treespec.attention.ascend.settings import (
 )
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import forget_resolved_backends
+from vllm_treespec.vllm_glue.ascend import checks
 from vllm_treespec.vllm_glue.draft_level import DraftLevelAttention
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
@@ -150,6 +151,35 @@ def install_backend() -> None:
     forget_resolved_backends()
 
 
+def tree_buffers(vllm_config, heads: HeadConfig, tree_size: int, dtype: torch.dtype,
+                 device) -> TreeAttentionBuffers:
+    """The process's persistent buffers for one head shape and dtype (one device per
+    process, so the device is not part of the key: a profiling-time reservation
+    and the first step must find the same buffers)."""
+    key = (heads.num_heads, heads.num_kv_heads, heads.head_size, dtype, tree_size)
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        block = ASCEND_BLOCK_SIZE
+        buf = TreeAttentionBuffers(
+            max_reqs=vllm_config.scheduler_config.max_num_seqs + 2, tree_size=tree_size,
+            num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads,
+            head_size=heads.head_size, dtype=dtype, device=device,
+            max_blocks=-(-vllm_config.model_config.max_model_len // block), block_size=block)
+        _BUFFERS[key] = buf
+    return buf
+
+
+def reserve_for_profiling(layers: dict, device) -> int:
+    """Allocate every tree layer's persistent buffers (shared across layers of one
+    head shape) before vLLM measures its profiling run's peak; returns the bytes
+    held, which then count as non-KV memory."""
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if isinstance(impl, TreeAscendAttentionImpl):
+            impl.reserve_tree_buffers(device)
+    return sum(b.allocated_bytes() for b in _BUFFERS.values())
+
+
 @contextlib.contextmanager
 def _speculative_tokens_presented_as(spec, value: int):
     real = spec.num_speculative_tokens
@@ -189,10 +219,9 @@ class TreeAscendMetadataBuilder(AscendAttentionMetadataBuilder):
 class TreeAscendAttentionImpl(DraftLevelAttention, AscendAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.sliding_window is not None or self.sinks is not None:
-            raise TreeSpecConfigError(
-                "eagle3_tree on Ascend does not support sliding-window or attention-sink "
-                "layers yet (the tree mask would need the window too)")
+        checks.check_layer_arguments(AscendAttentionBackendImpl.__init__, args, kwargs)
+        if getattr(self, "enable_c8_quant", False):
+            checks.check_quantised_kv(self.vllm_config.quant_config, None)
         self.tree_settings = settings_from_config(self.vllm_config)
         spec = self.vllm_config.speculative_config
         self.tree_size = 1 + (spec.num_speculative_tokens if spec is not None else 0)
@@ -204,18 +233,15 @@ class TreeAscendAttentionImpl(DraftLevelAttention, AscendAttentionBackendImpl):
         return _ACTIVE_VARIANT or FULL_MASK
 
     def _buffers(self, dtype: torch.dtype, device) -> TreeAttentionBuffers:
-        key = (self.num_heads, self.num_kv_heads, self.head_size, dtype, str(device))
-        buf = _BUFFERS.get(key)
-        if buf is None:
-            cfg = self.vllm_config
-            block = ASCEND_BLOCK_SIZE
-            buf = TreeAttentionBuffers(
-                max_reqs=cfg.scheduler_config.max_num_seqs + 2, tree_size=self.tree_size,
-                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                head_size=self.head_size, dtype=dtype, device=device,
-                max_blocks=-(-cfg.model_config.max_model_len // block), block_size=block)
-            _BUFFERS[key] = buf
-        return buf
+        return tree_buffers(self.vllm_config, self.tree_heads, self.tree_size, dtype, device)
+
+    def reserve_tree_buffers(self, device) -> int:
+        """Allocate this layer's persistent buffers for the active variant now
+        (called in vLLM's profiling run, see ``reserve_for_profiling``); bytes held."""
+        if self.tree_settings.exec_mode != "fused":
+            return 0
+        return self._buffers(self.vllm_config.model_config.dtype, device).reserve(
+            self.tree_variant)
 
     def _step_plan(self, tree: TreeVerifyRows,
                    buffers: TreeAttentionBuffers) -> TreeAttentionPlan:
@@ -223,12 +249,10 @@ class TreeAscendAttentionImpl(DraftLevelAttention, AscendAttentionBackendImpl):
         plan = tree.scratch.get("ascend_plan")
         if plan is None:
             plan = pad_plan(plan_tree_rows(tree), buffers.T)
+            checks.check_step_fits(plan, buffers, self.vllm_config)
             if plan.block_table.shape[1] > buffers.max_blocks:
+                # Columns past max_model_len's blocks are never referenced (checked above).
                 plan.block_table = plan.block_table[:, : buffers.max_blocks].contiguous()
-            if not buffers.fits(plan.batch_size, plan.tree_size):
-                raise RuntimeError(f"eagle3_tree: {plan.batch_size} trees of {plan.tree_size} "
-                                   f"tokens exceed the Ascend buffers ({buffers.max_reqs} x "
-                                   f"{buffers.T})")
             tree.scratch["ascend_plan"] = plan
         return plan
 
@@ -292,8 +316,11 @@ class TreeAscendAttentionImpl(DraftLevelAttention, AscendAttentionBackendImpl):
         if any(n != self.tree_size for n in lens):
             raise RuntimeError(
                 f"eagle3_tree: FULL ACL graph capture of a verify batch with query lengths "
-                f"{sorted(set(lens))}, expected all {self.tree_size}; unset "
-                f"${FULL_GRAPH_ENV} to run tree attention outside graphs")
+                f"{sorted(set(lens))}; the tree capture needs every request at 1 + "
+                f"num_speculative_tokens = {self.tree_size} tokens (uniform verify "
+                f"batches). Fix: unset ${FULL_GRAPH_ENV} (tree attention then runs "
+                f"eagerly between piecewise graphs), or keep the compilation config's "
+                f"cudagraph_capture_sizes to multiples of {self.tree_size}")
         return True
 
     def _capture_tree(self, query, key, value, kv_cache, md, output):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 import torch_npu  # this module only loads on Ascend installs
 from vllm.config import CUDAGraphMode
 from vllm_ascend.worker.worker import NPUWorker
@@ -22,6 +23,7 @@ from vllm_treespec.attention.ascend.settings import FULL_GRAPH_ENV, AscendTreeSe
 from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import runner_class_swapped, support, versions
+from vllm_treespec.vllm_glue.ascend import checks
 from vllm_treespec.vllm_glue.ascend.backend import (
     install_backend,
     record_tree_mode,
@@ -46,7 +48,10 @@ def _check_supported(vllm_config) -> None:
     from vllm_ascend.utils import is_310p
 
     npu = _installed("torch-npu") or getattr(torch_npu, "__version__", None)
-    support.check_ascend_pairing(versions.installed_release(), _installed("vllm-ascend"), npu)
+    release = versions.installed_release()
+    support.check_ascend_pairing(release, _installed("vllm-ascend"), npu)
+    checks.check_cann(release, getattr(torch.version, "cann", None))
+    checks.check_engine(vllm_config)
     if is_310p():
         raise TreeSpecConfigError("eagle3_tree on Ascend needs an Atlas A2/A3 device "
                                   "(310P uses a different attention path)")
