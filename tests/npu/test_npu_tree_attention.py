@@ -13,8 +13,12 @@ import torch
 torch_npu = pytest.importorskip("torch_npu")
 
 from vllm_treespec.commands import npu_check  # noqa: E402
-from vllm_treespec.attention.ascend.constants import FULL_MASK  # noqa: E402
-from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse  # noqa: E402
+from vllm_treespec.attention.ascend.constants import FULL_MASK, TREE_SPARSE  # noqa: E402
+from vllm_treespec.attention.ascend.synthetic import (  # noqa: E402
+    make_verify_batch,
+    probe_tree_sparse,
+    verify_with,
+)
 
 DEVICE = "npu:0"
 
@@ -39,13 +43,39 @@ def test_required_variants_match_the_reference(args, dtype):
     assert not failed, failed
 
 
+class _ShiftedTreeSparse:
+    """torch_npu, except that the sparse_mode=9 call's output is shifted: a broken
+    tree_sparse kernel the probe must reject."""
+
+    def __getattr__(self, name):
+        return getattr(torch_npu, name)
+
+    def npu_fused_infer_attention_score_v2(self, *args, **kwargs):
+        out, lse = torch_npu.npu_fused_infer_attention_score_v2(*args, **kwargs)
+        return out + 0.5, lse
+
+
 def test_tree_sparse_probe_gives_a_verdict(args):
+    """The probe's verdict agrees with tree_sparse measured against the eager
+    reference (not against full_mask, which the probe uses), and it rejects a
+    deliberately broken sparse_mode=9 call on this device."""
     res = probe_tree_sparse(torch_npu, DEVICE, torch.bfloat16, args.heads, args.kv_heads,
                             args.head_size, args.tree_size)
-    # Either verdict is acceptable; it must come with a reason (logged at startup).
     assert res.reason
-    if res.ok:
-        assert res.max_abs_err is not None and res.max_abs_err <= 3e-2
+    batch = make_verify_batch(41, ["tree", "chain", "tree"], args.tree_size, args.heads,
+                              args.kv_heads, args.head_size, dtype=torch.bfloat16,
+                              device=DEVICE, max_ctx=args.max_ctx)
+    rows = batch.tree_rows.rows
+    try:
+        out = verify_with(torch_npu, TREE_SPARSE, batch)
+        err = float((out[rows].float() - batch.reference_output()[rows].float()).abs().max())
+    except Exception as e:  # an unsupported combination: the probe must have said no
+        err = float("inf")
+        assert not res.ok, f"probe enabled tree_sparse, which raises {e!r}"
+    assert res.ok == (err <= 3e-2), (res, err)
+    broken = probe_tree_sparse(_ShiftedTreeSparse(), DEVICE, torch.bfloat16, args.heads,
+                               args.kv_heads, args.head_size, args.tree_size)
+    assert not broken.ok, broken
 
 
 def test_tree_size_above_the_stock_limit_of_16(args):

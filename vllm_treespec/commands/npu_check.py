@@ -11,8 +11,13 @@ reports (as text and optionally JSON):
 4. ACL graph capture of the tree call, replayed with new lengths and masks
    through the same update path the backend uses (``--skip-graph`` to skip);
 5. speed of each variant against the stock causal call (``--skip-speed``);
-6. optionally end to end (``--e2e-model`` and ``--e2e-drafter``): greedy outputs
-   of ``eagle3_tree`` against plain decoding through vLLM, and tokens/s.
+6. optionally end to end (``--e2e-model`` and ``--e2e-drafter``,
+   :mod:`.npu_e2e`): a fixed tree in float32, the tree worker's counters showing
+   that branching trees were verified, greedy outputs equal to plain decoding's,
+   and tokens/s.
+
+It ends with one verdict table (Markdown, with the versions that ran) to paste
+into an issue.
 
 ``--emulate`` runs checks 1-3 through the CPU emulation of the torch_npu contract
 instead (no NPU needed); graphs, speed and end-to-end need hardware.
@@ -44,6 +49,7 @@ OPTIONAL_VARIANTS = (TREE_SPARSE, TRITON)
 from vllm_treespec.attention.ascend.execute import run_tree_verify
 from vllm_treespec.attention.ascend.graphs import capture_issuer, update_captured
 from vllm_treespec.attention.ascend.plans import plan_tree_rows, plan_uniform_batch
+from vllm_treespec.commands import npu_e2e
 from vllm_treespec.attention.ascend.synthetic import (
     buffers_for,
     make_verify_batch,
@@ -69,6 +75,14 @@ class Report:
     @property
     def ok(self) -> bool:
         return all(c["status"] != "FAIL" for c in self.checks)
+
+    def verdict_table(self, versions: str) -> str:
+        """One Markdown table of every check, to paste into an issue."""
+        lines = [f"npu-check verdict: {'PASS' if self.ok else 'FAIL'} ({versions})", "",
+                 "| check | status | required | detail |", "|---|---|---|---|"]
+        lines += [f"| {c['name']} | {c['status']} | {'yes' if c['required'] else 'no'} | "
+                  f"{str(c['detail']).replace('|', '/')} |" for c in self.checks]
+        return "\n".join(lines)
 
 
 def _max_err(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> float:
@@ -276,29 +290,6 @@ def _time(fn, warmup: int = 3, iters: int = 20) -> float:
     return statistics.median(times)
 
 
-def check_e2e(report: Report, args) -> None:
-    """Greedy outputs of eagle3_tree against plain decoding, through vLLM."""
-    from vllm import LLM, SamplingParams
-
-    prompts = [f"Write a short paragraph about topic number {i}." for i in range(args.e2e_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.e2e_max_tokens)
-    results = {}
-    for name, spec in (("plain", None),
-                       ("eagle3_tree", {"method": "eagle3_tree", "model": args.e2e_drafter,
-                                        "num_nodes": args.e2e_num_nodes})):
-        llm = LLM(model=args.e2e_model, speculative_config=spec, max_model_len=4096)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
-        toks = sum(len(o.outputs[0].token_ids) for o in outs)
-        results[name] = ([o.outputs[0].token_ids for o in outs], toks / dt)
-        del llm
-    same = sum(a == b for a, b in zip(results["plain"][0], results["eagle3_tree"][0]))
-    report.add("e2e/greedy_identity", same == len(prompts),
-               f"{same}/{len(prompts)} identical; plain {results['plain'][1]:.1f} tok/s, "
-               f"eagle3_tree {results['eagle3_tree'][1]:.1f} tok/s")
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-treespec npu-check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,11 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer batches and sizes")
     p.add_argument("--skip-graph", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--e2e-model", help="target model for the end-to-end check")
-    p.add_argument("--e2e-drafter", help="EAGLE-3 drafter for the end-to-end check")
-    p.add_argument("--e2e-prompts", type=int, default=8)
-    p.add_argument("--e2e-max-tokens", type=int, default=128)
-    p.add_argument("--e2e-num-nodes", type=int, default=32)
+    npu_e2e.add_arguments(p)
     p.add_argument("--json", help="also write the report to this file")
     return p
 
@@ -361,11 +348,29 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_speed:
             check_speed(report, args, device, dtype)
         if args.e2e_model and args.e2e_drafter:
-            check_e2e(report, args)
+            npu_e2e.check_e2e(report, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": "emulated" if args.emulate else str(device),
                        "dtype": args.dtype, "ok": report.ok, "checks": report.checks}, f,
                       indent=2, default=str)
     print("npu-check:", "all required checks passed" if report.ok else "FAILED")
+    print(report.verdict_table(versions_line("emulated" if args.emulate else str(device),
+                                             args.dtype)))
     return 0 if report.ok else 1
+
+
+def versions_line(device: str, dtype: str) -> str:
+    """What ran, for the verdict table: versions of the stack and the device."""
+    import importlib.metadata
+
+    def v(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+
+    cann = getattr(torch.version, "cann", None) or "-"
+    return (f"device {device}, {dtype}; vllm {v('vllm')}, vllm-ascend {v('vllm-ascend')}, "
+            f"torch {torch.__version__}, torch-npu {v('torch-npu')}, CANN {cann}, "
+            f"vllm-treespec {v('vllm-treespec')}")
