@@ -176,6 +176,7 @@ def test_one_token_requests_joining_a_decode_batch(target_dir, random_drafter, t
         steps = [json.loads(line) for f in trace.glob("steps-*.jsonl") for line in open(f)]
         # a verify step at prefix 0 is a one-token prompt padded with placeholders
         assert any(r["prefix_len"] == 0 for s in steps for r in s["requests"]), name
+        assert out["tree"]["placeholder_drafts"] > 0, out["tree"]  # counted, not silent
         # each verified node's draft probability, as the node selection saw it
         probs = [r["draft_probs"] for s in steps for r in s["requests"]]
         assert all(len(p) == r["nodes"] for p, r in
