@@ -245,18 +245,20 @@ TP_PAIR_VERSION = 1  # bumped when the padding recipe changes
 
 
 def ensure_tp_pair(cache_dir: str | os.PathLike | None = None, multiple: int = 2,
-                   log=None) -> tuple[Path, Path]:
+                   log=None, drafter_name: str = DRAFTER_NAME) -> tuple[Path, Path]:
     """The target and its drafter with attention heads padded so that tensor-parallel
     size ``multiple`` divides them (``head_padding``: the same function exactly),
-    built from the verified embedded pair; returns (target dir, drafter dir)."""
+    built from the verified embedded pair; returns (target dir, drafter dir).
+    ``drafter_name``: an embedded drafter (``PARALLEL_DRAFTER_NAME`` for the
+    parallel-drafting head)."""
     log = log or _stderr
     home = cache_home(cache_dir)
     with _locked(home):
         target = _ensure_target(home, log)
-        drafter = _ensure_drafter(home, None, log)
+        drafter = _ensure_drafter(home, committed_drafter_dir(drafter_name), log)
         out = []
         for src, final in ((target, home / f"{TARGET_NAME}-tp{multiple}"),
-                           (drafter, home / "drafters" / f"{DRAFTER_NAME}-tp{multiple}")):
+                           (drafter, home / "drafters" / f"{drafter_name}-tp{multiple}")):
             expect = {"source_files": _read_manifest(src)["files"], "multiple": multiple,
                       "tp_pair_version": TP_PAIR_VERSION}
             if not _verified(final, expect):
@@ -325,15 +327,19 @@ def main(argv: list[str] | None = None) -> int:
         "--tp",
         type=int,
         default=1,
-        help="also prepare the target and drafter padded to attention heads that this "
-        "tensor-parallel size divides (same function; keys target_tp, drafter_tp)",
+        help="also prepare the target and both drafters padded to attention heads that "
+        "this tensor-parallel size divides (same function; keys target_tp, drafter_tp, "
+        "parallel_drafter_tp)",
     )
     args = parser.parse_args(argv)
     assets = ensure_assets(args.cache_dir)
     paths = json.loads(assets.as_json())
     if args.tp > 1:
         target_tp, drafter_tp = ensure_tp_pair(args.cache_dir, args.tp)
-        paths.update(target_tp=str(target_tp), drafter_tp=str(drafter_tp))
+        _, parallel_tp = ensure_tp_pair(args.cache_dir, args.tp,
+                                        drafter_name=PARALLEL_DRAFTER_NAME)
+        paths.update(target_tp=str(target_tp), drafter_tp=str(drafter_tp),
+                     parallel_drafter_tp=str(parallel_tp))
     if args.json:
         print(json.dumps(paths), flush=True)
     else:

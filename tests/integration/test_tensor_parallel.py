@@ -2,7 +2,8 @@
 
 One core a rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), the SmolLM2 pair padded to
 heads that 2 divides (``vllm-treespec assets --tp 2``: the same function). The
-tree servers, adaptive and fixed, answer chat and completion requests, sent
+tree servers, adaptive with sequential drafting and fixed with parallel drafting
+(the parallel-drafting head padded alike), answer chat and completion requests, sent
 concurrently, with the TP = 2 plain server's greedy text and real acceptance;
 every server stopped with SIGTERM (busy or idle) leaves no process behind. An
 engine whose rank 1 times everything three times slow (as on a busy core) still
@@ -53,7 +54,9 @@ QUESTIONS = (CHAT_PROMPTS + ["Name three fruits.", "What is the capital of Franc
                              "Name a programming language."]
              )[:int(os.environ.get("TREESPEC_TP_QUESTIONS", "10"))]
 MAX_TOKENS = 48
-FIXED = {"num_nodes": 12, "depth": 4, "top_k": 4, "adaptive": False}
+# The fixed tree is grown by parallel drafting (the padded parallel-drafting head):
+# the adaptive server covers sequential drafting.
+FIXED = {"num_nodes": 12, "depth": 4, "top_k": 4, "adaptive": False, "draft": "parallel"}
 # The CPU runner's linear-kernel choice, as each rank logs it.
 KERNEL_CHOICE = re.compile(r"\(Worker_TP(?P<rank>\d+) pid=\d+\).*eagle3_tree: "
                            r"(?P<choice>linear layers keep oneDNN's kernels|\d+ linear layers "
@@ -65,6 +68,13 @@ def tp_pair():
     from vllm_treespec.assets import ensure_tp_pair
 
     return ensure_tp_pair(multiple=2)
+
+
+@pytest.fixture(scope="module")
+def tp_parallel_drafter():
+    from vllm_treespec.assets import PARALLEL_DRAFTER_NAME, ensure_tp_pair
+
+    return ensure_tp_pair(multiple=2, drafter_name=PARALLEL_DRAFTER_NAME)[1]
 
 
 def start(model, log, spec=None, probe_kernels: bool = False) -> Server:
@@ -136,11 +146,12 @@ def reference(tp_pair, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed"])
-def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, reference,
-                                                         tmp_path):
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "fixed-parallel"])
+def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, tp_parallel_drafter,
+                                                         reference, tmp_path):
     target, drafter = tp_pair
-    spec = {"method": "eagle3_tree", "model": str(drafter), **({} if adaptive else FIXED)}
+    spec = ({"method": "eagle3_tree", "model": str(drafter)} if adaptive else
+            {"method": "eagle3_tree", "model": str(tp_parallel_drafter), **FIXED})
     # The adaptive server also times the linear-kernel choice on both ranks at
     # startup (the choice that, made per rank, once hung a TP = 2 server).
     log = tmp_path / "tree.log"
@@ -188,7 +199,7 @@ def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
 
 # T > 0 at TP = 2: two of test_sampling's prompts and settings (plain T = 1, and
 # nucleus), fewer draws (one core a rank), the same tests and thresholds.
-N_TP = 200
+N_TP = 300
 N_TP_CONTROL = 150
 TP2 = {"tensor_parallel_size": 2, "max_model_len": 1024}
 
