@@ -84,8 +84,11 @@ def test_uniform_batch_runs_without_copies(ops, variant):
     batch = make_verify_batch(11, ["tree", "tree", "chain"], 7, 4, 2, 16, full_trees=True)
     plan = plan_tree_rows(batch.tree_rows)
     assert plan.uniform
-    out = verify_with(ops, variant, batch)
+    buffers = buffers_for(batch, plan)
+    out = verify_with(ops, variant, batch, buffers)
     assert _err(out, batch.reference_output()) < 1e-5
+    # The flat rows are viewed as BSND: no padded copy of q, k or v was made.
+    assert not {"q_pad", "k_pad", "v_pad"} & set(buffers._tensors), set(buffers._tensors)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -398,8 +401,9 @@ def test_probe_falls_back_with_a_reason(ops):
 def test_modules_do_not_import_torch_npu():
     code = ("import sys; import vllm_treespec.attention.ascend.synthetic, "
             "vllm_treespec.attention.ascend.graphs, vllm_treespec.attention.ascend.settings, "
-            "vllm_treespec.vllm_glue.ascend, "
-            "vllm_treespec.attention.emulation, vllm_treespec.commands.npu_check; "
+            "vllm_treespec.vllm_glue.ascend, vllm_treespec.vllm_glue.ascend.checks, "
+            "vllm_treespec.attention.emulation, vllm_treespec.commands.npu_check, "
+            "vllm_treespec.commands.npu_e2e; "
             "assert 'torch_npu' not in sys.modules and 'vllm_ascend' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
