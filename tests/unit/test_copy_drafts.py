@@ -1,0 +1,115 @@
+"""Copy drafts: continuations found in a request's own history, grafted into its tree."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_treespec.tree import TreeBatch
+from vllm_treespec.tree.copy_drafts import BOTH, COPY, EAGLE, CopyDraft, copy_continuations, graft
+
+
+def test_the_continuation_after_the_last_match_is_found():
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [5, 6, 7, 8, 9, 1, 2, 6, 7]  # ends with "6 7": it came before, then "8 9 1"
+    (found,) = copy_continuations(history, max_ngram=3, min_ngram=2, length=3, max_branches=2)
+    assert found == CopyDraft((8, 9, 1), 2)
+
+
+def test_longer_matches_come_first_then_more_recent_ones():
+    history = [1, 2, 3, 40, 9, 2, 3, 50, 1, 2, 3]
+    found = copy_continuations(history, max_ngram=3, min_ngram=2, length=2, max_branches=3)
+    # "1 2 3" matched at 0 (-> 40 9); "2 3" at 5 (-> 50 1), then at 1 (-> 40 9: a duplicate).
+    assert found == [CopyDraft((40, 9), 3), CopyDraft((50, 1), 2)]
+
+
+def test_no_repeat_no_copies():
+    assert copy_continuations(list(range(50)), max_ngram=4, min_ngram=1) == []
+    assert copy_continuations([7], max_ngram=3, min_ngram=1) == []
+
+
+def test_a_continuation_that_extends_a_kept_one_replaces_it():
+    # "3 4" is followed by "5" at its latest occurrence (cut by the end) and by "5 6"
+    # earlier: the longer one carries the shorter one's information.
+    history = [3, 4, 5, 6, 0, 3, 4, 5, 3, 4]
+    found = copy_continuations(history, max_ngram=2, min_ngram=2, length=2, max_branches=2)
+    assert found == [CopyDraft((5, 3), 2), CopyDraft((5, 6), 2)]
+
+
+def test_bad_ngram_bounds_are_refused_by_name():
+    with pytest.raises(ValueError, match="min_ngram=3 and max_ngram=2"):
+        copy_continuations([1, 2, 3], max_ngram=2, min_ngram=3)
+
+
+def test_a_copy_follows_matching_drafted_nodes_and_adds_the_rest():
+    # Drafted: root -> 10 (1) -> 11 (3); root -> 20 (2).
+    tokens, parents = [10, 20, 11], [0, 0, 1]
+    out = graft(tokens, parents, [CopyDraft((10, 12, 13), 2)], max_nodes=8, max_children=4)
+    # 10 is shared; 12 becomes 10's second child, 13 its child.
+    assert out == ([10, 20, 11, 12, 13], [0, 0, 1, 1, 4], [BOTH, EAGLE, EAGLE, COPY, COPY])
+
+
+def test_grafting_stops_at_the_node_and_child_budgets():
+    tokens, parents = [10, 20], [0, 0]
+    assert graft(tokens, parents, [CopyDraft((30, 31), 2)], max_nodes=3, max_children=4)[0] \
+        == [10, 20, 30]
+    assert graft(tokens, parents, [CopyDraft((30, 31), 2)], max_nodes=8, max_children=2)[0] \
+        == [10, 20]
+    assert graft(tokens, parents, [CopyDraft((10, 31), 2)], max_nodes=8, max_children=2)[0] \
+        == [10, 20, 31]
+
+
+@st.composite
+def drafted_trees(draw):
+    n = draw(st.integers(0, 12))
+    parents, tokens, kids = [], [], {0: set()}
+    depth = {0: 0}
+    for i in range(1, n + 1):
+        # BFS: a parent at the deepest level so far or the one before it.
+        candidates = [p for p in range(i) if depth[p] >= max(depth.values()) - 1
+                      and len(kids[p]) < 3]
+        if not candidates:
+            break
+        p = draw(st.sampled_from(candidates))
+        t = draw(st.integers(0, 5).filter(lambda x, p=p: x not in kids[p]))
+        parents.append(p), tokens.append(t)
+        kids[p].add(t), kids.setdefault(i, set())
+        depth[i] = depth[p] + 1
+    order = sorted(range(1, len(tokens) + 1), key=lambda i: depth[i])  # BFS order
+    index = {0: 0, **{old: k + 1 for k, old in enumerate(order)}}
+    return [tokens[i - 1] for i in order], [index[parents[i - 1]] for i in order]
+
+
+@settings(max_examples=200, deadline=None)
+@given(drafted_trees(), st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5),
+                                 max_size=3), st.integers(1, 20), st.integers(1, 4))
+def test_grafted_trees_are_valid_and_keep_every_drafted_path(tree, copies, max_nodes,
+                                                             max_children):
+    tokens, parents = tree
+    max_children = max([max_children] + [parents.count(p) for p in set(parents)])
+    out_tokens, out_parents, source = graft(
+        tokens, parents, [CopyDraft(tuple(c), 2) for c in copies],
+        max_nodes=max(max_nodes, len(tokens)), max_children=max_children)
+    batch = TreeBatch.from_parents([[99] + out_tokens], [[0] + out_parents],
+                                   tree_size=1 + max(len(out_tokens), 1),
+                                   max_children=max_children)
+    batch.validate()  # BFS order, distinct siblings, the child bound
+
+    def paths(toks, pars):
+        out = []
+        for i in range(len(toks)):
+            path, j = [], i + 1
+            while j:
+                path.append(toks[j - 1])
+                j = pars[j - 1]
+            out.append(tuple(reversed(path)))
+        return out
+
+    got = paths(out_tokens, out_parents)
+    assert set(paths(tokens, parents)) <= set(got)  # every drafted path survives
+    assert len(set(got)) == len(got)                # no path verified twice
+    assert len(out_tokens) <= max(max_nodes, len(tokens))
+    for p, s in zip(got, source):
+        assert s & EAGLE == (EAGLE if p in set(paths(tokens, parents)) else 0)
+        assert bool(s & COPY) == any(tuple(c[:len(p)]) == p for c in copies)

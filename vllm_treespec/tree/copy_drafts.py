@@ -1,0 +1,103 @@
+"""Copy drafts: branches taken from a request's own earlier tokens, grafted into its tree.
+
+Where the text repeats itself (code that reuses identifiers, an edit of a given
+text, quotes, JSON), the continuation that followed the last n tokens the last
+time they occurred is often right for many tokens, and it costs no drafter
+forward (prompt lookup; vLLM's ``ngram`` method drafts one such chain). A tree
+can verify several of them beside the drafter's branches in the same forward.
+
+``copy_continuations`` finds them: for n from ``max_ngram`` down to
+``min_ngram``, every earlier occurrence of the history's last n tokens, most
+recent first, gives the tokens after it; continuations that are a prefix of one
+already kept add nothing and are dropped. The search is a sliding-window compare
+in numpy (no Python loop over the context), bounded by the history's length times
+``max_ngram``.
+
+``graft`` merges them into a drafted tree (lists in BFS order, as the proposer
+hands trees over): a copy token that equals an existing child of its parent
+follows that child (one node, verified once), any other becomes a new node, so
+siblings stay distinct. That is all stochastic acceptance needs to stay lossless
+(``accept``: every draft is a point-mass proposal, whichever source proposed it).
+Pure numpy / lists; no vLLM import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+EAGLE, COPY, BOTH = 1, 2, 3  # a node's sources (bit flags)
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyDraft:
+    tokens: tuple[int, ...]  # the continuation, first token after the root
+    match: int               # how many history tokens before it matched
+
+
+def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: int = 8,
+                       max_branches: int = 2) -> list[CopyDraft]:
+    """Up to ``max_branches`` distinct continuations of ``history`` (1-D token
+    ids, the root last), longest match first, then most recent."""
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"copy drafts: min_ngram={min_ngram} and max_ngram={max_ngram} "
+                         f"need 1 <= min_ngram <= max_ngram")
+    h = np.asarray(history, dtype=np.int64)
+    out: list[CopyDraft] = []
+    for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
+        # Windows that end before the last token: their continuation is known.
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+        starts = np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]  # most recent first
+        for s in starts:
+            cont = tuple(int(t) for t in h[s + n: s + n + length])
+            if not cont or any(k.tokens[:len(cont)] == cont for k in out):
+                continue
+            out = [k for k in out if cont[:len(k.tokens)] != k.tokens]  # cont extends k
+            out.append(CopyDraft(cont, n))
+            if len(out) == max_branches:
+                return out
+    return out
+
+
+def graft(tokens: list[int], parents: list[int], copies: list[CopyDraft], max_nodes: int,
+          max_children: int) -> tuple[list[int], list[int], list[int]]:
+    """``tokens`` / ``parents`` (draft nodes 1..N in BFS order, parent 0 = the
+    root) with the copies grafted below the root, at most ``max_nodes`` nodes in
+    all and ``max_children`` children a node (a copy stops where either would
+    be exceeded); returns (tokens, parents, source flags), again in BFS order.
+    The drafted nodes keep their order; new nodes follow at each depth."""
+    n = len(tokens)
+    tok = [None] + list(tokens)
+    par = [-1] + list(parents)
+    depth = [0] * (n + 1)
+    for i in range(1, n + 1):
+        depth[i] = depth[par[i]] + 1
+    src = [0] + [EAGLE] * n
+    child: dict[tuple[int, int], int] = {(par[i], tok[i]): i for i in range(1, n + 1)}
+    kids = [0] * (n + 1)
+    for i in range(1, n + 1):
+        kids[par[i]] += 1
+    for copy in copies:
+        node = 0
+        for t in copy.tokens:
+            nxt = child.get((node, t))
+            if nxt is None:
+                if len(tok) - 1 >= max_nodes or kids[node] >= max_children:
+                    break
+                kids[node] += 1
+                kids.append(0)
+                nxt = len(tok)
+                tok.append(t)
+                par.append(node)
+                depth.append(depth[node] + 1)
+                src.append(0)
+                child[(node, t)] = nxt
+            src[nxt] |= COPY
+            node = nxt
+    # BFS order: by depth, drafted nodes first at each depth, then in graft order;
+    # a stable sort keeps every parent before its children.
+    order = sorted(range(1, len(tok)), key=lambda i: depth[i])
+    new_index = {0: 0, **{old: k + 1 for k, old in enumerate(order)}}
+    return ([tok[i] for i in order], [new_index[par[i]] for i in order],
+            [src[i] for i in order])
