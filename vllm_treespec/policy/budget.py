@@ -43,10 +43,11 @@ and decides every step:
   token per request) at the rate the planned step yields, tokens per second
   (``level_pays``). The planned depth is then a cap: a step whose chain turns
   unsure stops early and verifies what it has, one whose chain stays sure
-  reaches the cap. Traced at batch 1 (1,737 steps of a one-wide chain of 6 on
-  the CPU), this rule at the same cap would have been 11 % faster than the
-  best fixed chain length of the same drafts, and 8 % at a cap of 4; the
-  planned depth is priced with the levels such steps really ran
+  reaches the cap. Replayed over batch-1 traces of a one-wide chain on the
+  CPU, this rule beat the best fixed chain length of the same drafts
+  (benchmarks/history/RESULTS-history.md, "Drafting that stops where the chain
+  turns unsure (2026-11-28, later): 11 % in a replay, within the noise
+  served"); the planned depth is priced with the levels such steps really ran
   (``levels_at``), and tree mode counts a chain stopped early as not accepted
   beyond its end, as it counts a selection that cut it.
 
@@ -83,9 +84,11 @@ from vllm_treespec.policy.selection import best_prefix
 class AdaptiveBudget(BudgetEstimates):
     # While off, probes may cost at most this share of the time (their extra over
     # plain steps). At batch 1 a probe costs a tenth of a plain step and the gaps
-    # above decide; at 16 requests it verifies 16 chains (served on the CPU: a
-    # ~140 ms step against ~65 ms, plus the drafter's catch-up), and two probes in
-    # a 128-step load cost the tree server ~3 % against plain decoding.
+    # above decide; at 16 requests it verifies 16 chains (a step that costs a few
+    # plain ones, plus the drafter's catch-up), so gaps alone overspend under load
+    # (benchmarks/history/RESULTS-history.md, "Latest (2026-11-26, night): per-step
+    # overheads trimmed, probes sized to the batch; `eagle3_tree` 1.07x stock k=2
+    # served; the fixed M=8 tree ahead of stock; 0.98x plain at 16 requests").
     PROBE_SHARE = 0.01
 
     def __init__(self, num_nodes: int, depth: int, width: int, margin: float = 0.03,
@@ -139,9 +142,11 @@ class AdaptiveBudget(BudgetEstimates):
         # Trees pay the branching extra as often as trees drafted there branched.
         verify[:, 0] += max(self.branch_cost, 0.0) * np.asarray(self.branch_at)
         # An off step skips the drafter entirely, so a drafting step pays its
-        # first pass and its fixed work as well as its levels. Served traces
-        # priced a depth-1 tree 5 ms under its cycle while the fixed work was
-        # left out (no level ran to carry it).
+        # first pass and its fixed work as well as its levels: with the fixed
+        # work left out, a depth-1 tree (no level ran to carry it) was priced
+        # under its served cycle (benchmarks/history/RESULTS-history.md, "Latest
+        # (2026-11-26, small hours): the drafting step's fixed work priced, and
+        # the must-show met").
         first = self.first_pass_cost.values(batch * (1 + nodes))
         first = 0.0 if first is None else first
         wide, one = self.level_cost(batch * self.K), self.chain_level_cost(batch)
@@ -167,10 +172,11 @@ class AdaptiveBudget(BudgetEstimates):
 
         Each depth is priced twice: as the tree that tree-mode selections keep
         there, and as the greedy chain verified whole. Traced on the CPU, where
-        a branching verify costs 5-10 ms more than a chain of its size, pricing
-        trees only planned depth 1 or 3 and a quarter of the steps off, and
-        never the chain of 2 that beat it on every prompt (1.21x vs 1.12-1.19x
-        plain decoding, in one process). Ties go to the tree, which sees more.
+        a branching verify costs more than a chain of its size, pricing trees
+        only planned mostly depth 1 or 3 or off, and never the chain of 2 that
+        beat it in one process (benchmarks/history/RESULTS-history.md, "Latest
+        (2026-11-25, late evening): an Intel Xeon, Intel OpenMP, and what a
+        branching tree costs"). Ties go to the tree, which sees more.
         """
         self._steps += 1
         ratios = self._ratios(batch)

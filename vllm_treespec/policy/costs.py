@@ -69,10 +69,13 @@ class StepCostTable:
 
     The shift is additive, not a factor: the table's slope is the price of a
     verified token, and a factor would inflate it by the share of that per-step
-    work. In one batch-1 CPU engine (``benchmarks/step_costs.py``) chain steps of
-    3 to 6 tokens took 2 to 4 ms more than the sweep's 16.5 ms; read as a factor
-    (1.1-1.3), that prices every verified token 10-30 % too high, and more so at
-    concurrency, where steps verify dozens of tokens.
+    work. In a batch-1 CPU engine (``benchmarks/step_costs.py``) chain steps took
+    the sweep's time plus a few milliseconds of their own work; read as a factor,
+    that overprices every verified token, and more so at concurrency, where steps
+    verify dozens of tokens (benchmarks/history/RESULTS-history.md, "The 2.56
+    head, and a step-cost table that follows live steps by a shift (2026-11-28,
+    AVX-512 machine): `eagle3_tree` level with the best stock chain at batch 1,
+    1.03x plain at 16 requests").
     """
 
     def __init__(self, rate: float = 0.02, shift_rate: float = 0.1):
@@ -111,7 +114,10 @@ class StepCostTable:
     def nondecreasing(self) -> None:
         """Lower every knot to the cheapest at or above its N: a forward over more
         tokens never costs less, so a knot above a later one was timed in a stall
-        (timed on the CPU at startup: 1 token 15.4 ms, 4 tokens 13.7 ms)."""
+        (a CPU startup sweep once timed 1 token above 4; benchmarks/history/
+        RESULTS-history.md, "The 2.56 head, and a step-cost table that follows
+        live steps by a shift (2026-11-28, AVX-512 machine): `eagle3_tree` level
+        with the best stock chain at batch 1, 1.03x plain at 16 requests")."""
         for i in range(len(self.t) - 2, -1, -1):
             self.t[i] = min(self.t[i], self.t[i + 1])
 

@@ -119,12 +119,14 @@ class BudgetEstimates:
         else:
             self.step_cost.add(num_tokens, seconds)
             if self._branching_steps is not None:
-                # Served on the CPU (traced): two slow branching steps set the
-                # extra to ~10 ms, chains won from then on, so no branching step
-                # came to correct it, and depth-3 chains (10 ms of drafting,
-                # 0.3 accepted) ran for two whole requests while a depth-1 tree
-                # gained 12 % over them. Forgetting the excess while chains run
-                # lets trees be tried again: the next ones re-measure it.
+                # Traced on the CPU: two slow branching steps raised the extra,
+                # chains won from then on, so no branching step came to correct
+                # it, and deep chains that drafted dearly and accepted little ran
+                # where shallow trees had gained more (benchmarks/history/
+                # RESULTS-history.md, "Latest (2026-11-25, evening): what the
+                # prompts' format does, and a branching extra that locked trees
+                # out"). Forgetting the excess while chains run lets trees be
+                # tried again: the next ones re-measure it.
                 n, t = self._branching_steps
                 chain = self.step_cost(n)
                 if chain is not None and t > chain:
@@ -150,7 +152,10 @@ class BudgetEstimates:
         ``one_wide``: every level forwarded one node per request (a chain).
 
         A fresh engine's first drafting step is not learned from: it pays
-        one-time work (served: 20-40 ms of "fixed work" against ~2 ms later),
+        one-time work (served, its "fixed work" is many times a later step's;
+        benchmarks/history/RESULTS-history.md, "A stop rule priced by live
+        engine cycles: faster in one process, slower served, withdrawn; a fresh
+        engine no longer starts with speculation off (2026-11-28, morning)"),
         and a drafting cost fit from one sample is that sample: with kappa at
         its floor, it priced speculation out and spaced the probes that could
         correct it hundreds of steps apart."""
