@@ -235,7 +235,8 @@ def stochastic_accept(tree: TreeBatch, target_probs: NodeProbs,
     noise: [B, V] Exp(1) draws for the final residual sample (exponential race:
         argmax(r / E) is distributed as r / sum(r)); if None, the residual is
         sampled by inverse CDF from one uniform per tree (``sample_rows``: the
-        same distribution without a draw per vocabulary entry, ~1 ms a row).
+        same distribution without a draw per vocabulary entry, which costs
+        about a millisecond a row on the CPU).
     """
     B, D, C = tree.batch_size, tree.max_depth, tree.max_children
     dev = tree.device

@@ -58,9 +58,13 @@ class StepCostCalibration:
             return
         limit = self.scheduler_config.max_num_batched_tokens
         # Best of 7 where a forward takes milliseconds: with best of 3 a stall
-        # once left the 1-token knot above the 4-token one. (The spread between
-        # server starts, 1-token knots of 11.0-16.6 ms on one machine, is the
-        # process's own: its live steps differ alike, and the table follows them.)
+        # once left the 1-token knot above the 4-token one. (The spread of the
+        # 1-token knot between server starts on one machine is the process's
+        # own: its live steps differ alike, and the table follows them;
+        # benchmarks/history/RESULTS-history.md, "The 2.56 head, and a step-cost
+        # table that follows live steps by a shift (2026-11-28, AVX-512
+        # machine): `eagle3_tree` level with the best stock chain at batch 1,
+        # 1.03x plain at 16 requests".)
         knots = {n: self._time_forward(n, 7 if n <= 64 else 1)
                  for n in self.CALIBRATION_SIZES if n <= limit}
         # Under tensor parallelism every rank prices steps as rank 0 does.

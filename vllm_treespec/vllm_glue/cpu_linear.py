@@ -2,13 +2,13 @@
 
 vLLM's CPU backend runs every unquantized linear layer through a prepacked
 oneDNN matmul. Its one-row kernel streams the weights at memory speed, but on
-the 2-core AVX2 machines measured (2026-11-23, SmolLM2-135M fp32) its kernel for
-2 to 8 rows is 2-4x slower: the linear layers of a forward over 2 tokens took
-44 ms against 19 ms for one token, so verifying even one draft token cost 1.7x a
-decode step and speculation could not pay. A plain ``W @ x^T`` (weights
-row-major, the few activation rows as columns) streams the weights once for all
-rows: a forward over 2-4 tokens then cost 1.1-1.2x one token in eager mode (about
-1.4x compiled, as served, against 1.6-1.8x).
+some CPUs its kernel for 2 to 8 rows is several times slower, so that verifying
+even one draft token costs far more than a decode step and speculation cannot
+pay. A plain ``W @ x^T`` (weights row-major, the few activation rows as columns)
+streams the weights once for all rows, so a forward over a few tokens costs
+little more than one token (the gain is smaller compiled, as served, than in
+eager mode; benchmarks/history/RESULTS-history.md, "Latest (2026-11-23, later):
+few-row linear layers, probes that back off").
 
 So in tree mode on the CPU every linear layer of the target and the drafter gets
 a dispatcher (``small_m_linear``, an opaque custom op, so that compiled graphs
@@ -21,10 +21,11 @@ second copy of those weights in memory;
 dispatchers whatever the startup timings say (the deepest call tree a step can
 have, for tests and kernel comparisons).
 
-Where oneDNN's few-row kernel is already fast (measured 2026-11-24 on a 2-core
-AMD EPYC with AVX-512: a forward over 2 tokens 11.9 ms with oneDNN, 15.7 ms with
-``W @ x^T``), the dispatcher only costs: a custom-op call per layer made a
-one-wide tree 7-8 % slower than with stock kernels. So the runner first times
+Where oneDNN's few-row kernel is already fast (on some CPUs ``W @ x^T`` is
+slower at every row count), the dispatcher only costs: a custom-op call per
+layer made a one-wide tree slower than with stock kernels
+(benchmarks/history/RESULTS-history.md, "Latest (2026-11-24): a machine where
+speculation pays, and where the tree path loses it"). So the runner first times
 the layers themselves (``layer_timer``, before anything is compiled) and
 removes the dispatchers again (``uninstall``) when ``W @ x^T`` wins for no row
 count.
@@ -60,10 +61,12 @@ def kept_whatever_the_timings() -> bool:
 
 # The op runs in every linear layer of every forward, whatever its row count,
 # so it is defined with ``torch.library.Library`` and a plain CPU kernel, not the
-# ``custom_op`` decorator: the decorator's Python wrappers cost ~20 us a call
-# (measured: 24 us against 9 us for a trivial op), ~2.5 ms a forward over the
-# target's and the drafter's layers, which made a 16-request decode forward 15 %
-# slower than in plain vLLM (49.4 against 42.9 ms) while speculation was off.
+# ``custom_op`` decorator: the decorator's Python wrappers cost a trivial op
+# several times its call, paid in every layer of the target and the drafter,
+# which made a 16-request decode forward clearly slower than in plain vLLM while
+# speculation was off (benchmarks/history/RESULTS-history.md, "Latest
+# (2026-11-26, small hours): the drafting step's fixed work priced, and the
+# must-show met").
 _LIB = torch.library.Library("vllm_treespec", "FRAGMENT")
 _LIB.define("small_m_linear(Tensor x, Tensor? bias, int key, int out_features) -> Tensor")
 
@@ -75,12 +78,15 @@ def small_m_linear(x: torch.Tensor, bias: torch.Tensor | None, key: int,
     m = rows.shape[0]
     if m not in _ROWS:
         # The stock kernel, called as vLLM's ``onednn_mm`` calls it but without
-        # its two Python frames: this runs in every linear layer of every forward
-        # (measured: ~2 us a call, ~0.3 ms a forward of the target).
+        # its two Python frames: this runs in every linear layer of every forward,
+        # so each frame saved is saved once per layer.
         out = x.new_empty(*x.shape[:-1], out_features)
         torch.ops._C.onednn_mm(out, rows, bias, handler)
         return out
-    if m % 2:  # measured: MKL's kernel for an odd column count is far slower
+    # MKL's kernel for an odd column count is far slower (benchmarks/history/
+    # RESULTS-history.md, "Latest (2026-11-23, later): few-row linear layers,
+    # probes that back off"), so odd row counts are padded to even.
+    if m % 2:
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
     y = torch.mm(weight, rows.t()).t()[:m].contiguous()
     if bias is not None:
@@ -148,10 +154,11 @@ def layer_timer(models: Iterable[torch.nn.Module], dtype: torch.dtype
     as a compiled graph would run it if this were the only choice: through the
     dispatcher where n takes ``W @ x^T``, else the stock oneDNN op called
     directly. So ``W @ x^T`` must win by more than the dispatcher's own cost, which
-    every forward pays once it stays (measured 2026-11-28: ~8 us a call over the
-    direct op, ~1 ms a target forward of 21-30 ms; timed through the dispatcher
-    on both sides, it had been kept in 3 of 6 server starts logged that day on
-    an AVX-512 machine whose compiled forwards then chose no row count)."""
+    every forward pays once it stays (benchmarks/history/RESULTS-history.md,
+    "Two per-step costs only the tree path paid, and what a forward costs by row
+    count (2026-11-28, afternoon)"); timed through the dispatcher on both sides,
+    its own cost never counted, and it had been kept on a machine whose compiled
+    forwards then chose no row count."""
     layers = [m for model in models for m in model.modules() if hasattr(m, "small_m_key")]
     gen = torch.Generator().manual_seed(0)
     inputs: dict[int, list[torch.Tensor]] = {}

@@ -4,12 +4,14 @@ Since CPython 3.11 a thread's Python frames live on a stack of 16 KiB chunks,
 each mapped with ``mmap`` when a call does not fit into the current chunk and
 unmapped as soon as the last frame on it returns. A hot path whose call depth
 keeps crossing a chunk boundary therefore maps and unmaps a chunk on every
-crossing. In a served vLLM CPU worker a tree verify step crossed one about 70
-times (about 2,200 ``mmap``/``munmap`` pairs a second, counted with strace),
+crossing. In a served vLLM CPU worker a tree verify step crossed one dozens of
+times (thousands of ``mmap``/``munmap`` pairs a second, counted with strace),
 and each ``munmap`` in a process whose OpenMP threads run on the other cores
-also interrupts them to flush their TLBs: the verify forward took 25 ms instead
-of 20, and the served tree was 15 % slower than the same tree in an offline
-``LLM`` (whose worker calls the model from a different depth).
+also interrupts them to flush their TLBs: the verify forward took about a
+quarter longer, and the served tree was slower than the same tree in an offline
+``LLM`` (whose worker calls the model from a different depth;
+benchmarks/history/RESULTS-history.md, "Latest (2026-11-25): the served-only
+cost found (CPython frame-stack chunks)").
 
 Where the boundary falls depends on how deep vLLM's own loop sits, which this
 plugin does not control; so ``call_on_fresh_chunk`` enters through a frame with
@@ -20,13 +22,15 @@ fixed place whatever the caller's depth, so a step whose call tree fits that
 room maps one chunk per step however deep its caller is.
 
 The room has to hold the deepest call tree of a step. The first version of this
-entry left ~15 KiB (a 32 KiB chunk); by 2026-11-28 a one-wide tree step had
-outgrown it, and every attention call crossed a boundary again: an offline
-engine unmapped 2,060 chunks in 5 s against 64 for stock ``eagle3`` k=3
-(``strace -c``), and vLLM's attention kernel took 57 us a call against 31 us with
-this room, the same inputs (AMD EPYC, AVX-512, 2 cores). tests/integration/
-test_frame_stack_room.py runs a compiled tree engine and fails when a step
-outgrows it.
+entry left ~15 KiB (a 32 KiB chunk); a compiled one-wide tree step later
+outgrew it, and every attention call crossed a boundary again: an offline
+engine unmapped chunks dozens of times as often as stock ``eagle3`` k=3
+(``strace -c``), and vLLM's attention kernel ran at about half the speed it has
+with this room, on the same inputs (benchmarks/history/RESULTS-history.md, "The
+frame-stack room outgrown (2026-11-28, AVX-512 machine): the attention kernel at
+half speed in tree mode; a one-wide tree now 1.04-1.05x stock k=3").
+tests/integration/test_frame_stack_room.py runs a compiled tree engine and
+fails when a step outgrows it.
 """
 
 from __future__ import annotations

@@ -4,9 +4,12 @@ Why: on the host, every step allocates its temporaries (logits, hidden states,
 the tree's mask and gathers) through the C allocator, and glibc keeps freed
 blocks in its arenas instead of returning them. A verify step's temporaries are
 larger and vary more in size than a plain step's, so under bursts of load a tree
-worker's resident memory climbed by hundreds of MB a burst and stayed there
-(``benchmarks/memory_retention.py``: ``malloc_trim`` returned 462 of 596 MB after
-one pass; the soak saw the climb as a leak). Trimming at every step would cost
+worker's resident memory climbed by hundreds of MB a burst and stayed there,
+most of it free heap that ``malloc_trim`` hands back (``benchmarks/
+memory_retention.py``; benchmarks/history/RESULTS-history.md, "Soak with
+repeated load passes: the tree server's memory keeps climbing, in the model
+worker, mostly free heap the C allocator keeps (2026-11-29, later, AVX-512
+machine)"; the soak saw the climb as a leak). Trimming at every step would cost
 page faults on the next one; trimming once the batch is empty costs nothing
 while requests run, and happens only once the worker has grown enough to matter.
 

@@ -164,7 +164,8 @@ class TreeMetrics:
     def on_verify(self, step, acc, accepted: list[int], accept_s: float, commit_s: float,
                   req_ids=None) -> None:
         """accepted: drafts accepted per tree (``Outcome.accepted``, already on the
-        host: tensor reductions here cost ~0.2 ms a step on a cache-cold CPU);
+        host: tensor reductions here would add a fraction of a millisecond to
+        every step on a cache-cold CPU);
         req_ids: the trees' request ids, needed only while tracing."""
         tree = step.tree
         # accepted_at_depth[d]: trees that accepted at least d+1 drafts

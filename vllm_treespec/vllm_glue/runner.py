@@ -351,7 +351,8 @@ class TreeRunnerMixin(StepCostCalibration):
         # max_model_len), vLLM (0.27.1, 0.32.0) skips drafting and hands the scheduler
         # token-0 "zeroed" drafts, num_spec_tokens per request: for trees num_nodes (32), so
         # every request then verified ~31 junk tokens, accepted none, and under load
-        # filled the KV cache and preempted (soak: 5.9 tok/s against plain's 100+).
+        # filled the KV cache and preempted (in the soak the tree server fell to a
+        # small fraction of plain decoding's throughput).
         # No drafts instead; those requests decode plainly for the step.
         if not zeros_only:
             return super()._copy_draft_token_ids_to_cpu(scheduler_output, zeros_only)

@@ -102,9 +102,12 @@ class VerifyStep:
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)``. On the CPU through numpy: torch's index reduction is
-    ~7x slower over a vocabulary of 49k (130 against 19 us for the 5 rows of a
-    small tree), numpy's gives the same indices (the first maximum; NaN counts
-    as the maximum)."""
+    several times slower over a vocabulary of 49k, even for the few rows of a
+    small tree (benchmarks/history/RESULTS-history.md, "Latest (2026-11-26,
+    night): per-step overheads trimmed, probes sized to the batch; `eagle3_tree`
+    1.07x stock k=2 served; the fixed M=8 tree ahead of stock; 0.98x plain at 16
+    requests"), numpy's gives the same indices (the first maximum; NaN counts as
+    the maximum)."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
             and x.is_contiguous()):
         return torch.from_numpy(x.numpy().argmax(-1))
@@ -125,8 +128,10 @@ class NodeLogits:
     temperature: what greedy takes the argmax of. ``self[trees, nodes]`` ->
     [n, V] float32 for node ``nodes[i]`` of tree ``trees[i]``, computed for the
     nodes asked for only: a sampled tree's walk reads at most depth + 1 of its
-    nodes, and copying every node's row costs ~90 ms a step for 100 trees of 13
-    nodes here. Indexed like the [Bt, T, V] table it stands for
+    nodes, and copying every node's row makes a step of many trees far dearer
+    (benchmarks/history/RESULTS-history.md, "A sampled tree step processes only
+    the nodes it reads (2026-12-01, later, AVX-512 machine): 25-30 ms less a step
+    at 16 trees, 75-105 ms at 100"). Indexed like the [Bt, T, V] table it stands for
     (``processed_node_logits``), so ``node_probs`` takes either."""
 
     def __init__(self, logits: torch.Tensor, step: VerifyStep, md):
@@ -190,8 +195,8 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor
     ``nodes[i]`` (temperature, top-k, top-p over the processed logits). On
     demand: the acceptance walk reads at most depth + 1 of a tree's nodes.
     Top-k / top-p as ``top_k_top_p_probs`` (the same sets, found among each row's
-    largest entries instead of a sort of the vocabulary: ~0.1 against ~3.7 ms a
-    row here). Seeded rows do not come here: they sample with vLLM's own op
+    largest entries instead of a sort of the vocabulary, which costs far more a
+    row; ``vllm_treespec/tree/nucleus.py``). Seeded rows do not come here: they sample with vLLM's own op
     (``_seeded_draw``)."""
     x, k, p = _scaled(processed[rows, nodes], md, step.req_index[rows])
     return top_k_top_p_probs(x, k, p)
