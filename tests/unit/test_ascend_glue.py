@@ -379,3 +379,17 @@ def test_a_branching_trees_rows_get_depth_positions_where_vllm_ascend_reads_them
     assert runner.slot_positions == [5, 6, 7, 8]  # the slots stay linear
     runner.stub_forward(4)
     assert glue.stubs.state.cos_sin_positions == [[5, 6, 6, 7]]  # root + depth
+
+
+def test_a_non_uniform_full_graph_capture_says_how_to_fix_it(glue, monkeypatch):
+    from vllm.config import CUDAGraphMode
+
+    monkeypatch.setenv("VLLM_TREESPEC_ASCEND_FULL_GRAPH", "1")
+    impl = _impl(glue)  # tree size 1 + 3
+    monkeypatch.setattr(glue.backend._EXTRA_CTX, "capturing", True)
+    monkeypatch.setattr(glue.backend, "get_forward_context",
+                        lambda: NS(cudagraph_runtime_mode=CUDAGraphMode.FULL))
+    assert impl._captures_tree(NS(actual_seq_lengths_q=[4, 8]))
+    with pytest.raises(RuntimeError, match=r"lengths \[3, 4\].*Fix: unset "
+                                           r"\$VLLM_TREESPEC_ASCEND_FULL_GRAPH.*multiples of 4"):
+        impl._captures_tree(NS(actual_seq_lengths_q=[4, 7]))
