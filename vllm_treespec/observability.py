@@ -14,7 +14,6 @@ No vLLM import here.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -29,7 +28,6 @@ from typing import Any, Callable
 logger = logging.getLogger("vllm.treespec")
 
 TRACE_ENV = "VLLM_TREESPEC_TRACE_DIR"
-INVALID_TREE_ENV = "VLLM_TREESPEC_TEST_INVALID_TREE_EVERY"
 
 
 def _versions() -> dict[str, str]:
@@ -128,28 +126,6 @@ def validated(build: Callable[[], Any], vocab_size: int, repair: Callable[[int],
                                "trees": trees, "prefix_len": [int(n) for n in prefix_len],
                                "req_ids": list(req_ids)}, trace_dir)
             repair(err.request)
-
-
-class InvalidTreeInjector:
-    """Test-only fault (the soak's ``--invalid-trees N``, through
-    ``$VLLM_TREESPEC_TEST_INVALID_TREE_EVERY``): every N-th batch of trees
-    comes back with the first draft node of its first drafting request given
-    token -1, which validation must catch. Inert without the variable."""
-
-    def __init__(self) -> None:
-        every = os.environ.get(INVALID_TREE_ENV, "")
-        self.every, self.calls = (int(every) if every.isdigit() else 0), 0
-
-    def __call__(self, trees):
-        if not self.every:
-            return trees
-        self.calls += 1
-        drafting = (trees.num_nodes > 0).nonzero()
-        if self.calls % self.every or drafting.numel() == 0:
-            return trees
-        token = trees.token.clone()
-        token[int(drafting[0]), 1] = -1
-        return dataclasses.replace(trees, token=token)
 
 
 def dump_failure(error: Exception, payload: dict[str, Any], directory: str | None) -> Path:

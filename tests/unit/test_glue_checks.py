@@ -290,3 +290,36 @@ def test_drafting_errors_that_come_and_go_are_served_around():
     for step in range(3 * faults.PERSISTENT_STEPS):
         faults.failed(ValueError(f"error {step % 2}"))  # not one error
     assert faults.count == 3 * faults.PERSISTENT_STEPS * 2 - 15
+
+
+# --- the soak's injected invalid trees, outside the serving path ---
+
+def test_the_soaks_invalid_trees_are_armed_only_by_the_worker_extension(monkeypatch, tmp_path):
+    """The injector used to live in the proposer, read from the environment by
+    every server; now only a worker that imports the soak's extension has it."""
+    from vllm_treespec import observability
+    from vllm_treespec.bench import invalid_trees
+    from vllm_treespec.tree import TreeBatch
+    from vllm_treespec.vllm_glue import proposer as proposer_module
+
+    assert not hasattr(observability, "InvalidTreeInjector")
+    assert "InvalidTreeInjector" not in vars(proposer_module)
+    proposer = proposer_module.TreeEagleProposer.__new__(proposer_module.TreeEagleProposer)
+    proposer.runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_ids=["a", "b"], vocab_size=100))
+    proposer.tree_cfg = types.SimpleNamespace(trace_dir=str(tmp_path))
+    trees = TreeBatch.from_parents([[5], [5, 6, 7]], [[0], [0, 0, 1]], tree_size=3)
+
+    def check():
+        return proposer._checked(trees, torch.tensor([3, 4])).num_nodes.tolist()
+
+    monkeypatch.setattr(proposer_module.TreeEagleProposer, "_checked",
+                        proposer_module.TreeEagleProposer._checked)  # restored after
+    monkeypatch.delenv(invalid_trees.INVALID_TREE_ENV, raising=False)
+    invalid_trees._arm()
+    assert check() == [0, 2] and not list(tmp_path.glob("treespec-failure-*"))
+    monkeypatch.setenv(invalid_trees.INVALID_TREE_ENV, "2")
+    invalid_trees._arm()
+    assert [check(), check()] == [[0, 2], [0, 0]]  # the 2nd batch: b's tree dumped, no drafts
+    (dump,) = tmp_path.glob("treespec-failure-*.json")
+    assert "token -1" in dump.read_text()

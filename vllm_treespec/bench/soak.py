@@ -199,10 +199,11 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
     # The KV cache is the blocks override; the space setting only keeps vLLM's CPU
     # backend from reserving most of the machine's memory.
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    if invalid_trees:
-        from vllm_treespec.observability import INVALID_TREE_ENV
+    if invalid_trees:  # armed in the workers by the extension's import
+        from vllm_treespec.bench.invalid_trees import INVALID_TREE_ENV, WORKER_EXTENSION
 
         env[INVALID_TREE_ENV] = str(invalid_trees)
+        serve_args += ["--worker-extension-cls", WORKER_EXTENSION]
     with Server(model, serve_args, spec, log, served_name="soak", env=env) as server:
         url = server.base_url
         spec_on = tree is not None

@@ -39,7 +39,7 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treespec.config import TreeSpecConfig
-from vllm_treespec.observability import InvalidTreeInjector, trace_dir_from, validated
+from vllm_treespec.observability import trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue import rank_agreement, support
@@ -92,7 +92,6 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         # One-wide levels as stock chain steps on the paged cache (the runner's
         # device says whether its attention backend serves them natively).
         self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
-        self._with_fault = InvalidTreeInjector()  # test-only (the soak's --invalid-trees)
         self.catch_up_tokens = 0
         self.faults = DraftFaults()  # drafting steps that raised (see propose)
 
@@ -338,7 +337,6 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
     def _checked(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
-        trees = self._with_fault(trees)
         keep = trees.num_nodes.clone()
 
         def without_drafts(b):
