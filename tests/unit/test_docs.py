@@ -10,6 +10,9 @@
 - Every ratio and bold figure the README quotes appears on benchmarks/RESULTS.md.
 - The README's tree-keys table matches docs/serving.md's and the config's fields.
 - README <= 250 lines, RESULTS <= 500 (issue 65).
+- Code comments and docstrings (vllm_treespec/, kernels/) carry no dated measurement, no
+  measured figure and no machine name: measurements live in benchmarks/RESULTS.md and its
+  history, cited by section title, and each title cited exists there.
 
 Nothing here spawns a process; vLLM's parser is built once, in process.
 """
@@ -17,11 +20,14 @@ Nothing here spawns a process; vLLM's parser is built once, in process.
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import importlib
+import io
 import json
 import re
 import shlex
+import tokenize
 from pathlib import Path
 from unittest import mock
 
@@ -310,3 +316,96 @@ def test_the_tree_keys_table_matches_the_config_and_the_serving_page():
 def test_readme_and_results_stay_short():
     assert len(_text(README).splitlines()) <= 250
     assert len(_text(RESULTS).splitlines()) <= 500
+
+
+# ---- code comments ----------------------------------------------------------------------
+
+CODE = [*sorted((ROOT / "vllm_treespec").rglob("*.py")), *sorted((ROOT / "kernels").glob("*.py"))]
+RESULTS_FILES = {"RESULTS.md": RESULTS,
+                 "RESULTS-history.md": ROOT / "benchmarks" / "history" / "RESULTS-history.md"}
+# A citation of a results section: `RESULTS.md, "<heading>"`; a heading may name its date,
+# machine and figures, which is where they belong.
+CITATION = re.compile(r'(RESULTS(?:-history)?\.md),\s*"([^"]+)"')
+# Version facts, not measurements: the vllm-ascend commit a vLLM pairing targets.
+VERSION_FACT = re.compile(r"vllm-ascend main of 2026-\d\d-\d\d")
+DATED_MEASUREMENT = re.compile(
+    r"2026-\d"
+    r"|\bmeasured\b[^.;]{0,80}?\d(?:\.\d+)?\s?(?:ms|us|µs|%|tok/s|MB|GB)(?![\w/])"
+    r"|\b(?:AVX2|AVX-512|EPYC|Xeon|2-core)\b", re.I)
+
+
+def _comments_and_docstrings(source: str) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and every block of comments on adjacent lines
+    (joined, so that a citation may wrap), whitespace collapsed."""
+    found = []
+    block: list[str] = []
+    start = last = 0
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type != tokenize.COMMENT:
+            continue
+        if block and tok.start[0] != last + 1:
+            found.append((start, " ".join(block)))
+            block = []
+        if not block:
+            start = tok.start[0]
+        block.append(tok.string.lstrip("#").strip())
+        last = tok.start[0]
+    if block:
+        found.append((start, " ".join(block)))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                found.append((node.body[0].lineno, doc))
+    return [(line, " ".join(text.split())) for line, text in found]
+
+
+@functools.cache
+def _headings(name: str) -> frozenset[str]:
+    return frozenset(re.findall(r"^#+ (.+)$", _text(RESULTS_FILES[name]), re.M))
+
+
+def _dated_measurements(path: Path) -> list[str]:
+    """A dated or measured figure, or a machine, in a comment or docstring of ``path``;
+    a cited section heading (cited headings must exist) and version facts are allowed."""
+    errors = []
+    for line, text in _comments_and_docstrings(path.read_text(encoding="utf-8")):
+        for name, heading in CITATION.findall(text):
+            if heading not in _headings(name):
+                errors.append(f"{_rel(path)}:{line}: cites no section of {name}: {heading!r}")
+        prose = VERSION_FACT.sub("", CITATION.sub("", text))
+        for m in DATED_MEASUREMENT.finditer(prose):
+            around = prose[max(0, m.start() - 50):m.end() + 30]
+            errors.append(f"{_rel(path)}:{line}: {m.group(0)!r} in ...{around}...")
+    return errors
+
+
+def test_code_comments_carry_no_dated_measurements():
+    """Comments stay true: they say what and why; a measurement, its date and its machine
+    live in benchmarks/RESULTS.md (or its history) and are cited by section title."""
+    assert len(CODE) >= 50  # the scan finds the package at all
+    errors = [e for path in CODE for e in _dated_measurements(path)]
+    assert not errors, "\n".join(errors)
+
+
+def test_the_comment_check_catches_a_dated_measurement(tmp_path):
+    """Negative control: a dated figure in a comment, a measured one and a machine in a
+    docstring, and a citation of a section that does not exist are reported; a citation
+    whose heading names a date, and a version fact, are not."""
+    source = tmp_path / "planted.py"
+    source.write_text(
+        '"""Module.\n\nMeasured on the other box: a forward 12.5 ms."""\n\n\n'
+        "def f():\n"
+        '    """Fast on an AMD EPYC."""\n'
+        "    # the sweep took 3 ms (2026-11-30)\n"
+        "    # see benchmarks/RESULTS.md, \"No such section\"\n"
+        "    return 1\n\n\n"
+        "# targets vllm-ascend main of 2026-08-22; benchmarks/history/\n"
+        "# RESULTS-history.md, \"Latest (2026-11-25): the served-only cost found (CPython\n"
+        "# frame-stack chunks)\"\n", encoding="utf-8")
+    errors = _dated_measurements(source)
+    assert any(":1: 'Measured on the other box: a forward 12.5 ms'" in e for e in errors), errors
+    assert any(":7: 'EPYC'" in e for e in errors), errors
+    assert any(":8: '2026-1'" in e for e in errors), errors
+    assert any("cites no section of RESULTS.md: 'No such section'" in e for e in errors), errors
+    assert len(errors) == 4, errors
