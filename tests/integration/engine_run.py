@@ -4,7 +4,8 @@
 
 SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "sampling_per_prompt": [{...}] | null, "max_tokens_per_prompt": [int] | null,
-       "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int, "mode": str} | null
+       "batch": "all" | 1, "oracle": {"reference": {...}, "seed": int, "mode": str,
+       "max_children": int (trie mode, optional)} | null
        (mode "marginals": parallel_oracle, otherwise oracle.install's modes),
        "n_per_prompt": int, "schedule": {"off_steps", "period", "mode", "chain"?} | null,
        "draft_faults": N | null (every N-th drafter forward raises),
@@ -49,7 +50,9 @@ def main(spec_path: str, out_path: str) -> None:
         o = spec["oracle"]
         install = parallel_oracle.install if o.get("mode") == "marginals" else oracle.install
         llm.collective_rpc(install, args=(o["reference"], o.get("seed", 0)),
-                           kwargs={"mode": o.get("mode", "greedy")})
+                           kwargs={"mode": o.get("mode", "greedy"),
+                                   **({"max_children": o["max_children"]}
+                                      if "max_children" in o else {})})
     if spec.get("schedule") and tree_mode:
         sch = spec["schedule"]
         llm.collective_rpc(oracle.schedule_speculation,

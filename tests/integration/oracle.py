@@ -78,11 +78,13 @@ def oracle_chain(rng: random.Random, truth: list[int], budget: int, vocab: int,
     return tokens, list(range(n))
 
 
-def trie_tree(trie: dict, context: tuple, budget: int) -> tuple[list[int], list[int]]:
+def trie_tree(trie: dict, context: tuple, budget: int,
+              max_children: int | None = None) -> tuple[list[int], list[int]]:
     """BFS tree of the most frequent observed continuations of ``context``.
 
     ``trie`` maps a token tuple (output so far) to {next token: count}; children
-    are ranked by count, best first. This is what a good drafter looks like at
+    are ranked by count, best first, at most ``max_children`` a node (a drafter's
+    top-k; None: every observed one). This is what a good drafter looks like at
     temperature > 0: several likely branches per node.
     """
     tokens, parents = [], []
@@ -90,7 +92,8 @@ def trie_tree(trie: dict, context: tuple, budget: int) -> tuple[list[int], list[
     while frontier and len(tokens) < budget:
         nxt = []
         for node, ctx in frontier:
-            for tok, _ in sorted(trie.get(ctx, {}).items(), key=lambda kv: -kv[1]):
+            ranked = sorted(trie.get(ctx, {}).items(), key=lambda kv: -kv[1])
+            for tok, _ in ranked[:max_children]:
                 if len(tokens) >= budget:
                     break
                 tokens.append(tok)
@@ -118,7 +121,7 @@ def output_so_far(runner, b: int, state) -> tuple:
 
 
 def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
-            mode: str = "greedy") -> bool:
+            mode: str = "greedy", max_children: int | None = None) -> bool:
     """collective_rpc target: wrap the worker's tree drafter with the oracle.
 
     mode "greedy": reference = {prompt ids joined by ',': greedy output ids}; the
@@ -126,7 +129,8 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
     mode "chain": as "greedy", but every tree is a chain (verified by the
         device's causal kernel): the greedy continuation, then decoys.
     mode "trie": reference = {prompt key: list of sampled outputs}; the tree holds
-        the most frequent observed continuations of the current output.
+        the most frequent observed continuations of the current output
+        (``max_children`` of them a node at most).
     """
     from vllm_treespec.vllm_glue.proposer import ProposedTree
 
@@ -156,7 +160,8 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
                 continue
             if mode == "trie":
                 context = output_so_far(runner, b, state)
-                tokens, parents = trie_tree(tries[key], context, len(drafts[b]))
+                tokens, parents = trie_tree(tries[key], context, len(drafts[b]),
+                                            max_children)
             else:
                 root_index = int(prefix[b]) - len(state.prompt_token_ids)
                 truth = reference[key][root_index + 1:]
