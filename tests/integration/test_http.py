@@ -183,3 +183,25 @@ def test_worker_returns_free_heap_when_the_engine_idles(servers):
     chat(tree.client, QUESTIONS[2])
     time.sleep(1)  # the engine's next step tells the worker the request finished
     assert "eagle3_tree: engine idle, returned" in tree.log_path.read_text()
+
+
+def test_vllm_bench_serve_runs_against_the_tree_server(servers, target_dir, tmp_path):
+    """vLLM's own serving benchmark, as users measure with it (``vllm bench serve``
+    through ``vllm-treespec vllm``): every request completes against the tree server."""
+    import json
+    import subprocess
+    import sys
+
+    _, tree = servers
+    cmd = [sys.executable, "-m", "vllm_treespec", "vllm", "bench", "serve",
+           "--base-url", tree.base_url, "--model", str(target_dir),
+           "--served-model-name", "smollm2", "--dataset-name", "random",
+           "--random-input-len", "32", "--random-output-len", "16", "--num-prompts", "4",
+           "--seed", "0", "--save-result", "--result-dir", str(tmp_path),
+           "--result-filename", "bench.json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 4, result
+    assert result.get("failed", 0) == 0, result
+    assert result["total_output_tokens"] > 0, result
