@@ -206,8 +206,9 @@ TP2 = {"tensor_parallel_size": 2, "max_model_len": 1024}
 
 def test_tp2_tree_samples_match_tp2_plain_sampling(tp_pair, tokenizer, engine_dir):
     """The trie oracle drafts on every rank from the same plain sample, so the
-    ranks agree on each tree; the acceptance draws must agree too (rank 0's
-    sampler decides). A greedy acceptance rule at T > 0 must fail the test."""
+    ranks agree on each tree. Each rank accepts and commits its own KV: a rank
+    that accepted another path would attend to a wrong cache from then on, which
+    these tests would see. A greedy acceptance rule at T > 0 must fail them."""
     target, drafter = tp_pair
     prompts = chat_token_ids(tokenizer, SAMPLED_PROMPTS[:2])
     settings = SETTINGS[:2]
