@@ -245,26 +245,28 @@ TP_PAIR_VERSION = 1  # bumped when the padding recipe changes
 
 
 def ensure_tp_pair(cache_dir: str | os.PathLike | None = None, multiple: int = 2,
-                   log=None, drafter_name: str = DRAFTER_NAME) -> tuple[Path, Path]:
-    """The target and its drafter with attention heads padded so that tensor-parallel
+                   log=None, drafter_names: tuple[str, ...] = (DRAFTER_NAME,)
+                   ) -> tuple[Path, ...]:
+    """The target and its drafters with attention heads padded so that tensor-parallel
     size ``multiple`` divides them (``head_padding``: the same function exactly),
-    built from the verified embedded pair; returns (target dir, drafter dir).
-    ``drafter_name``: an embedded drafter (``PARALLEL_DRAFTER_NAME`` for the
-    parallel-drafting head)."""
+    built from the verified embedded files; returns (target dir, one dir per
+    ``drafter_names`` entry: embedded drafters, e.g. ``PARALLEL_DRAFTER_NAME`` for
+    the parallel-drafting head). The target is verified once for all of them."""
     log = log or _stderr
     home = cache_home(cache_dir)
     with _locked(home):
-        target = _ensure_target(home, log)
-        drafter = _ensure_drafter(home, committed_drafter_dir(drafter_name), log)
+        sources = [(_ensure_target(home, log), home / f"{TARGET_NAME}-tp{multiple}")]
+        for name in drafter_names:
+            sources.append((_ensure_drafter(home, committed_drafter_dir(name), log),
+                            home / "drafters" / f"{name}-tp{multiple}"))
         out = []
-        for src, final in ((target, home / f"{TARGET_NAME}-tp{multiple}"),
-                           (drafter, home / "drafters" / f"{drafter_name}-tp{multiple}")):
+        for src, final in sources:
             expect = {"source_files": _read_manifest(src)["files"], "multiple": multiple,
                       "tp_pair_version": TP_PAIR_VERSION}
             if not _verified(final, expect):
                 _pad_checkpoint(src, final, multiple, expect, log)
             out.append(final)
-    return out[0], out[1]
+    return tuple(out)
 
 
 def _pad_checkpoint(src: Path, final: Path, multiple: int, expect: dict, log) -> None:
@@ -335,9 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     assets = ensure_assets(args.cache_dir)
     paths = json.loads(assets.as_json())
     if args.tp > 1:
-        target_tp, drafter_tp = ensure_tp_pair(args.cache_dir, args.tp)
-        _, parallel_tp = ensure_tp_pair(args.cache_dir, args.tp,
-                                        drafter_name=PARALLEL_DRAFTER_NAME)
+        target_tp, drafter_tp, parallel_tp = ensure_tp_pair(
+            args.cache_dir, args.tp, drafter_names=(DRAFTER_NAME, PARALLEL_DRAFTER_NAME))
         paths.update(target_tp=str(target_tp), drafter_tp=str(drafter_tp),
                      parallel_drafter_tp=str(parallel_tp))
     if args.json:

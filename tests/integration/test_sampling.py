@@ -110,6 +110,12 @@ def assert_same_distributions(plain, tree, metrics, settings=SETTINGS):
     assert metrics["per_depth_acceptance"][1] > 0.05, metrics
 
 
+def trie_oracle(prompts, plain, n: int) -> dict:
+    """The trie oracle's spec, built from the first ``n`` plain draws of each prompt."""
+    return {"mode": "trie", "reference": {",".join(map(str, p)): [list(t) for t in b[:n]]
+                                          for p, b in zip(prompts, plain)}}
+
+
 @pytest.fixture(scope="module")
 def samples(target_dir, tokenizer, random_drafter, engine_dir):
     prompts = chat_token_ids(tokenizer, PROMPTS)
@@ -118,9 +124,7 @@ def samples(target_dir, tokenizer, random_drafter, engine_dir):
     # a lossless tree emits target samples whatever trie drafted them, so its draws
     # are independent of that half under the hypothesis tested.
     plain, _ = draw(target_dir, prompts, SETTINGS, 2 * N, engine_dir, "plain", seed=1)
-    train = [b[:N] for b in plain]
-    oracle = {"mode": "trie", "reference": {",".join(map(str, p)): [list(t) for t in tr]
-                                            for p, tr in zip(prompts, train)}}
+    oracle = trie_oracle(prompts, plain, N)
     tree, metrics = draw(target_dir, prompts, SETTINGS, N, engine_dir, "tree", seed=3,
                          speculative_config=dict(TREE, model=str(random_drafter)),
                          oracle=oracle)

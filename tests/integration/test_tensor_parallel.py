@@ -38,6 +38,7 @@ from tests.integration.test_sampling import (
     TREE,
     assert_same_distributions,
     draw,
+    trie_oracle,
 )
 from vllm_treespec.bench.homogeneity import homogeneity_pvalue
 from vllm_treespec.bench.server import Server, metric_sum
@@ -64,17 +65,21 @@ KERNEL_CHOICE = re.compile(r"\(Worker_TP(?P<rank>\d+) pid=\d+\).*eagle3_tree: "
 
 
 @pytest.fixture(scope="module")
-def tp_pair():
-    from vllm_treespec.assets import ensure_tp_pair
+def tp_assets():
+    """(target, drafter, parallel-drafting head), padded for TP = 2."""
+    from vllm_treespec.assets import DRAFTER_NAME, PARALLEL_DRAFTER_NAME, ensure_tp_pair
 
-    return ensure_tp_pair(multiple=2)
+    return ensure_tp_pair(multiple=2, drafter_names=(DRAFTER_NAME, PARALLEL_DRAFTER_NAME))
 
 
 @pytest.fixture(scope="module")
-def tp_parallel_drafter():
-    from vllm_treespec.assets import PARALLEL_DRAFTER_NAME, ensure_tp_pair
+def tp_pair(tp_assets):
+    return tp_assets[:2]
 
-    return ensure_tp_pair(multiple=2, drafter_name=PARALLEL_DRAFTER_NAME)[1]
+
+@pytest.fixture(scope="module")
+def tp_parallel_drafter(tp_assets):
+    return tp_assets[2]
 
 
 def start(model, log, spec=None, probe_kernels: bool = False) -> Server:
@@ -214,8 +219,7 @@ def test_tp2_tree_samples_match_tp2_plain_sampling(tp_pair, tokenizer, engine_di
     settings = SETTINGS[:2]
     plain, _ = draw(target, prompts, settings, 2 * N_TP, engine_dir, "tp2_plain_sampled",
                     seed=1, engine=TP2, env=TP_ENV)
-    oracle = {"mode": "trie", "reference": {",".join(map(str, p)): [list(t) for t in b[:N_TP]]
-                                            for p, b in zip(prompts, plain)}}
+    oracle = trie_oracle(prompts, plain, N_TP)
     spec = dict(TREE, model=str(drafter))
     tree, metrics = draw(target, prompts, settings, N_TP, engine_dir, "tp2_tree_sampled",
                          seed=3, engine=TP2, env=TP_ENV, speculative_config=spec,
