@@ -38,7 +38,8 @@ PARTS = {
     ("llama_eagle3.py", "forward"): "drafter_forward",
     ("proposer.py", "_draft_vocab_logprobs"): "draft_logprobs",
     ("tree_sampler.py", "sample_with_trees"): "tree_sampling",
-    ("tree_sampler.py", "processed_node_logits"): "tree_processed_logits",
+    # NodeLogits[trees, nodes]: the node rows a step processes (mask, penalties)
+    ("tree_sampler.py", "__getitem__"): "tree_node_logits",
     ("tree_sampler.py", "node_probs"): "tree_node_probs",
     ("accept.py", "stochastic_accept"): "tree_stochastic_accept",
     ("cpu_attention.py", "_verify_chains"): "tree_verify_chains",

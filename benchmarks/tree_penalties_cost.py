@@ -4,7 +4,8 @@
 A tree step gives each node its own row of logits, and repetition / frequency /
 presence penalties see the request's output plus the node's path. vLLM's
 ``apply_all_penalties`` builds [rows, vocab] count and mask tensors for every row
-it is given; ``tree_sampler.processed_node_logits`` now gathers only the tokens of
+it is given; ``tree_sampler.NodeLogits`` (here for every node:
+``bench.tree_reference.processed_node_logits``) gathers only the tokens of
 each penalised row's prompt and output. This times both on the same inputs with
 the real functions and checks that they give the same logits, bit for bit.
 
@@ -25,7 +26,8 @@ from types import SimpleNamespace
 import torch
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, _node_rows, processed_node_logits
+from vllm_treespec.bench.tree_reference import processed_node_logits
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, _node_rows
 
 VOCAB = 49152  # SmolLM2
 PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 6, 9]

@@ -29,9 +29,10 @@ from types import SimpleNamespace
 
 import torch
 
-from vllm_treespec.tree import (TreeBatch, greedy_accept, position_samples,
-                                position_samples_on_path, stochastic_accept)
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_probs, node_table
+from vllm_treespec.bench.tree_reference import (node_table, position_samples,
+                                                position_samples_on_path)
+from vllm_treespec.tree import TreeBatch, greedy_accept, stochastic_accept
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_probs
 
 VOCAB = 49152  # SmolLM2
 PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 6, 9]  # node i's parent (root: itself)

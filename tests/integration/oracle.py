@@ -186,14 +186,14 @@ def break_stochastic_acceptance(worker) -> bool:
     greedy fallback at T>0" bug. Tests use it to show they can detect bias."""
     import torch
 
+    from vllm_treespec.bench.tree_reference import node_table
     from vllm_treespec.tree import greedy_accept
     from vllm_treespec.vllm_glue import tree_sampler
 
     def greedy_instead(tree, probs, uniforms=None, noise=None, generator=None):
         if callable(probs):  # distributions on demand: every node's
-            probs = tree_sampler.node_table(probs, torch.arange(tree.batch_size,
-                                                                device=tree.device),
-                                            tree.tree_size)
+            probs = node_table(probs, torch.arange(tree.batch_size, device=tree.device),
+                               tree.tree_size)
         return greedy_accept(tree, torch.argmax(probs, dim=-1))
 
     tree_sampler.stochastic_accept = greedy_instead

@@ -16,14 +16,13 @@ from hypothesis import strategies as st
 from scipy import stats
 
 from tests.unit.treegen import random_tree_batch, tree_batches
+from vllm_treespec.bench.tree_reference import position_samples, position_samples_on_path
 from vllm_treespec.tree import (
     Outcome,
     TreeBatch,
     apply_compaction,
     compaction_plan,
     greedy_accept,
-    position_samples,
-    position_samples_on_path,
     stochastic_accept,
 )
 

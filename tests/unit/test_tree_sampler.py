@@ -129,9 +129,8 @@ def test_a_mixed_batch_walks_only_its_sampled_trees(monkeypatch):
 
 def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(monkeypatch):
     from vllm_treespec.vllm_glue import tree_sampler
-    from vllm_treespec.vllm_glue.tree_sampler import (_scaled, _seeded_draw,
-                                                      plain_step_sampler,
-                                                      processed_node_logits)
+    from vllm_treespec.bench.tree_reference import processed_node_logits
+    from vllm_treespec.vllm_glue.tree_sampler import _scaled, _seeded_draw, plain_step_sampler
 
     drawn = []
     real = tree_sampler._seeded_draw
@@ -210,7 +209,8 @@ def _penalty_md(repetition, frequency, presence):
 def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penalised(penalised):
     """Penalties go to the node rows of requests that set one, as vLLM's op gives
     them over all rows: a neutral request's rows (1, 0, 0) come back unchanged."""
-    from vllm_treespec.vllm_glue.tree_sampler import _node_rows, processed_node_logits
+    from vllm_treespec.bench.tree_reference import processed_node_logits
+    from vllm_treespec.vllm_glue.tree_sampler import _node_rows
 
     step, _, logits = _step_and_logits(torch.float32)
     logits[:, [3, 7, 12]] = torch.tensor([2.0, -1.5, 0.5])  # both signs on penalised tokens

@@ -8,8 +8,6 @@ from vllm_treespec.tree.accept import (
     apply_compaction,
     compaction_plan,
     greedy_accept,
-    position_samples,
-    position_samples_on_path,
     samples_on_path,
     stochastic_accept,
 )
@@ -24,6 +22,6 @@ __all__ = [
     "PAD_TOKEN_ID", "Acceptance", "CompactionPlan", "DynamicTreeBuilder", "Level", "Outcome",
     "StaticTopology", "StaticTreeBuilder", "TreeBatch", "TreeInvariantError",
     "apply_compaction", "compaction_plan", "greedy_accept", "path_tokens", "penalise_rows",
-    "position_samples", "position_samples_on_path", "samples_on_path", "sample_rows", "stochastic_accept",
+    "samples_on_path", "sample_rows", "stochastic_accept",
     "top_k_top_p_probs", "tree_mask",
 ]

@@ -152,17 +152,6 @@ def _greedy_accept_trees(tree: TreeBatch, target_argmax: torch.Tensor) -> Accept
                       tokens=_emitted_tokens(tree, path, num_accepted, bonus))
 
 
-def position_samples(target_probs: torch.Tensor, depth: torch.Tensor,
-                     noise: torch.Tensor) -> torch.Tensor:
-    """[B, T] each node's sample for the positional rule (see module docstring):
-    argmax(p / E) with the noise of its position. ``greedy_accept(tree, samples)``
-    then accepts with it. target_probs: [B, T, V] (a table, every node samples);
-    depth: [B, T] node depths; noise: [B, D+1, V] Exp(1) draws of the positions
-    after the root (depth d samples position root + 1 + d)."""
-    rows = torch.arange(depth.shape[0], device=depth.device).unsqueeze(1)
-    return torch.argmax(target_probs.float() / noise[rows, depth], dim=-1)
-
-
 # [B, T, V] distributions of every node, or rows, nodes -> [n, V] at those nodes.
 NodeProbs = torch.Tensor | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -172,21 +161,6 @@ def _at_nodes(target_probs: NodeProbs) -> Callable[[torch.Tensor, torch.Tensor],
     if callable(target_probs):
         return target_probs
     return lambda rows, nodes: target_probs[rows, nodes]
-
-
-def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
-                             noise: torch.Tensor) -> torch.Tensor:
-    """``position_samples`` where ``greedy_accept`` reads them: along each tree's
-    accepted path, which the samples themselves choose, so at most D + 1 nodes
-    per tree ask ``target_probs`` for a distribution (a [B, T, V] table, or
-    (rows, nodes) -> [n, V] as for ``stochastic_accept``) instead of all T.
-    noise: [B, >= deepest depth + 1, V] Exp(1) draws, as for ``position_samples``."""
-    probs_at = _at_nodes(target_probs)
-
-    def draw(rows, nodes, d):
-        return torch.argmax(probs_at(rows, nodes).float() / noise[rows, d], dim=-1)
-
-    return samples_on_path(tree, draw, min(tree.max_depth, noise.shape[1] - 1))
 
 
 def samples_on_path(tree: TreeBatch, draw: Callable[[torch.Tensor, torch.Tensor, int],

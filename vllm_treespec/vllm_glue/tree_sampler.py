@@ -132,7 +132,8 @@ class NodeLogits:
     (benchmarks/history/RESULTS-history.md, "A sampled tree step processes only
     the nodes it reads (2026-12-01, later, AVX-512 machine): 25-30 ms less a step
     at 16 trees, 75-105 ms at 100"). Indexed like the [Bt, T, V] table it stands for
-    (``processed_node_logits``), so ``node_probs`` takes either."""
+    (``bench.tree_reference.processed_node_logits``, the tests' reference), so
+    ``node_probs`` takes either."""
 
     def __init__(self, logits: torch.Tensor, step: VerifyStep, md):
         self.logits, self.step, self.md = logits, step, md
@@ -184,11 +185,6 @@ class NodeLogits:
         return penalised, slot, generated, path_tokens(self.step.tree, V)
 
 
-def processed_node_logits(logits: torch.Tensor, step: VerifyStep, md) -> torch.Tensor:
-    """[Bt, T, V] every node's ``NodeLogits``."""
-    return NodeLogits(logits, step, md).of_trees()
-
-
 def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor,
                nodes: torch.Tensor) -> torch.Tensor:
     """[n, V] target next-token distribution of tree ``rows[i]`` at node
@@ -200,13 +196,6 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor
     (``_seeded_draw``)."""
     x, k, p = _scaled(processed[rows, nodes], md, step.req_index[rows])
     return top_k_top_p_probs(x, k, p)
-
-
-def node_table(probs, rows: torch.Tensor, tree_size: int) -> torch.Tensor:
-    """[len(rows), T, V] every node's distribution of trees ``rows``, from a
-    (rows, nodes) -> [n, V] function such as ``node_probs``."""
-    nodes = torch.arange(tree_size, device=rows.device).repeat(len(rows))
-    return probs(rows.repeat_interleave(tree_size), nodes).view(len(rows), tree_size, -1)
 
 
 def position_seed(seed: int, index: int) -> int:
