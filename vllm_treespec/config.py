@@ -32,6 +32,8 @@ TOP_K_RANGE = (1, 64)
 EXEC_MODES = ("reference", "fused")
 DRAFT_MODES = ("sequential", "parallel")
 DEPTH_WEIGHT_RANGE = (0.25, 4.0)
+COPY_BRANCHES_RANGE = (0, 8)
+COPY_LENGTH_RANGE = (1, 32)
 
 
 class TreeSpecConfigError(ValueError):
@@ -91,6 +93,8 @@ _ALLOWED = {
     "adaptive": "true or false",
     "trace_dir": "a directory path (string) or null",
     "depth_weight": "a number in [{}, {}]".format(*DEPTH_WEIGHT_RANGE),
+    "copy_branches": "an integer in [{}, {}]".format(*COPY_BRANCHES_RANGE),
+    "copy_length": "an integer in [{}, {}]".format(*COPY_LENGTH_RANGE),
 }
 
 
@@ -137,6 +141,12 @@ class TreeSpecConfig(BaseModel):
         accept more than their draft probability says (``benchmarks/
         selection_replay.py``). The adaptive budget still sizes trees from the
         draft probabilities.
+    copy_branches: up to this many copy branches a request per step besides
+        the drafter's (``tree.copy_drafts``): the continuations that followed
+        the request's last tokens where they occurred before in its prompt or
+        output, verified in the same tree; 0 turns copies off.
+    copy_length: tokens of a copy branch at most (the adaptive budget keeps
+        the part whose live acceptance estimate pays for its verification).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -152,6 +162,8 @@ class TreeSpecConfig(BaseModel):
     adaptive: StrictBool = True
     draft: Literal[DRAFT_MODES] = "sequential"  # type: ignore[valid-type]
     depth_weight: float = Field(1.0, ge=DEPTH_WEIGHT_RANGE[0], le=DEPTH_WEIGHT_RANGE[1])
+    copy_branches: StrictInt = Field(0, ge=COPY_BRANCHES_RANGE[0], le=COPY_BRANCHES_RANGE[1])
+    copy_length: StrictInt = Field(8, ge=COPY_LENGTH_RANGE[0], le=COPY_LENGTH_RANGE[1])
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.
@@ -178,6 +190,9 @@ class TreeSpecConfig(BaseModel):
         if self.choices is not None and self.draft == "parallel":
             raise _fail("draft", self.draft, "'sequential' with 'choices' (a static tree "
                         "ranks children per node; parallel drafting gives one ranking per depth)")
+        if self.choices is not None and self.copy_branches:
+            raise _fail("copy_branches", self.copy_branches, "0 with 'choices' (a static "
+                        "tree verifies its fixed topology only)")
         if self.choices is not None and self.depth_weight != 1.0:
             raise _fail("depth_weight", self.depth_weight, "1 with 'choices' (a static tree "
                         "verifies all its nodes; there is nothing to rank)")
@@ -196,6 +211,10 @@ class TreeSpecConfig(BaseModel):
             raise _fail("depth", self.depth,
                         f"an integer in [1, num_nodes={self.num_nodes}] (a tree of "
                         f"{self.num_nodes} nodes is at most {self.num_nodes} deep)")
+        if self.copy_branches and self.copy_length > self.num_nodes:
+            raise _fail("copy_length", self.copy_length,
+                        f"an integer in [1, num_nodes={self.num_nodes}] (a copy branch is "
+                        f"verified within the node budget)")
         if self.num_nodes > self.max_candidates():
             raise _fail("num_nodes", self.num_nodes,
                         f"an integer in [1, {self.max_candidates()}]: a tree of depth "
@@ -209,11 +228,17 @@ class TreeSpecConfig(BaseModel):
         return self.choices is not None
 
     @property
-    def max_children(self) -> int:
-        """Upper bound on the children of any node (width of child tables)."""
+    def draft_width(self) -> int:
+        """Children the drafter proposes a node at most."""
         if self.choices is None:
             return self.top_k
         return max(p[-1] for p in self.choices) + 1
+
+    @property
+    def max_children(self) -> int:
+        """Upper bound on the children of any verified node (width of child
+        tables): the drafter's, and a child a copy branch."""
+        return self.draft_width + self.copy_branches
 
     @property
     def tree_size(self) -> int:

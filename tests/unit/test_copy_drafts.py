@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_treespec.tree import TreeBatch
-from vllm_treespec.tree.copy_drafts import BOTH, COPY, EAGLE, CopyDraft, copy_continuations, graft
+from vllm_treespec.tree.copy_drafts import (
+    BOTH, COPY, EAGLE, CopyDraft, accepted_along, copy_continuations, graft)
 
 
 def test_the_continuation_after_the_last_match_is_found():
@@ -47,16 +48,17 @@ def test_a_copy_follows_matching_drafted_nodes_and_adds_the_rest():
     tokens, parents = [10, 20, 11], [0, 0, 1]
     out = graft(tokens, parents, [CopyDraft((10, 12, 13), 2)], max_nodes=8, max_children=4)
     # 10 is shared; 12 becomes 10's second child, 13 its child.
-    assert out == ([10, 20, 11, 12, 13], [0, 0, 1, 1, 4], [BOTH, EAGLE, EAGLE, COPY, COPY])
+    assert tuple(out) == ([10, 20, 11, 12, 13], [0, 0, 1, 1, 4], [BOTH, EAGLE, EAGLE, COPY, COPY])
+    assert out.branches == [[1, 4, 5]]
 
 
 def test_grafting_stops_at_the_node_and_child_budgets():
     tokens, parents = [10, 20], [0, 0]
-    assert graft(tokens, parents, [CopyDraft((30, 31), 2)], max_nodes=3, max_children=4)[0] \
+    assert graft(tokens, parents, [CopyDraft((30, 31), 2)], max_nodes=3, max_children=4).tokens \
         == [10, 20, 30]
-    assert graft(tokens, parents, [CopyDraft((30, 31), 2)], max_nodes=8, max_children=2)[0] \
+    assert graft(tokens, parents, [CopyDraft((30, 31), 2)], max_nodes=8, max_children=2).tokens \
         == [10, 20]
-    assert graft(tokens, parents, [CopyDraft((10, 31), 2)], max_nodes=8, max_children=2)[0] \
+    assert graft(tokens, parents, [CopyDraft((10, 31), 2)], max_nodes=8, max_children=2).tokens \
         == [10, 20, 31]
 
 
@@ -113,3 +115,27 @@ def test_grafted_trees_are_valid_and_keep_every_drafted_path(tree, copies, max_n
     for p, s in zip(got, source):
         assert s & EAGLE == (EAGLE if p in set(paths(tokens, parents)) else 0)
         assert bool(s & COPY) == any(tuple(c[:len(p)]) == p for c in copies)
+
+
+@settings(max_examples=100, deadline=None)
+@given(drafted_trees(), st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=5),
+                                 min_size=1, max_size=3), st.data())
+def test_each_branch_lists_the_nodes_of_its_kept_tokens(tree, copies, data):
+    tokens, parents = tree
+    lengths = [data.draw(st.integers(0, len(c))) for c in copies]
+    out = graft(tokens, parents, [CopyDraft(tuple(c), 2) for c in copies], max_nodes=40,
+                max_children=12, lengths=lengths)
+    for copy, keep, nodes in zip(copies, lengths, out.branches):
+        assert len(nodes) == keep  # budgets this wide never cut a copy
+        node_parent = 0
+        for t, node in zip(copy, nodes):
+            assert out.parents[node - 1] == node_parent and out.tokens[node - 1] == t
+            assert out.sources[node - 1] & COPY
+            node_parent = node
+
+
+def test_accepted_along_counts_the_walked_part_of_a_branch():
+    assert accepted_along([1, 4, 5], [1, 4, 5]) == 3
+    assert accepted_along([1, 4], [1, 4, 5]) == 2
+    assert accepted_along([2, 6], [1, 4, 5]) == 0
+    assert accepted_along([], [1]) == 0

@@ -221,12 +221,15 @@ def test_the_stat_logger_exports_the_fallback_counters():
             pass
 
     for attr in ("trees", "nodes", "emitted", "faults", "unmatched", "placeholders",
-                 "at_depth", "stage", "mean_len", "mean_size"):
+                 "at_depth", "stage", "mean_len", "mean_size", "by_source"):
         setattr(logger, attr, Counter(attr))
     logger.labels = {}
-    delta = dataclasses.asdict(Totals(trees=3, unmatched_trees=2, placeholder_drafts=5))
+    delta = dataclasses.asdict(Totals(trees=3, unmatched_trees=2, placeholder_drafts=5,
+                                      emitted=13, copy_accepted=4, shared_accepted=1))
     logger._add(delta, delta)
     assert (counts["unmatched"], counts["placeholders"]) == (2, 5)
+    # accepted drafts by source: 13 emitted - 3 bonus = 10 = 5 drafter + 4 copy + 1 both
+    assert counts["by_source"] == 10
 
 
 # --- drafting faults ---

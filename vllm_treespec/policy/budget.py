@@ -78,7 +78,7 @@ import torch
 
 from vllm_treespec.policy.estimates import BudgetEstimates
 from vllm_treespec.policy.probes import ProbeSchedule
-from vllm_treespec.policy.selection import best_prefix
+from vllm_treespec.policy.selection import best_extension, best_prefix
 
 
 class AdaptiveBudget(BudgetEstimates):
@@ -282,3 +282,15 @@ class AdaptiveBudget(BudgetEstimates):
             return torch.from_numpy(np.maximum(chain_pick[0], depth)).to(dev), True
         pick, chain_only = (chain_pick, True) if chain_pick[1] >= tree[1] else (tree, False)
         return torch.from_numpy(pick[0]).to(dev), chain_only
+
+    def copy_threshold(self, q: np.ndarray, base_gain: float, base_nodes: int, batch: int,
+                       branching: bool = False) -> float:
+        """The least estimate a copy node needs to be verified beside the
+        drafter's selection (``base_nodes`` nodes of summed estimate
+        ``base_gain - batch``); ``branching``: copies would make chains branch,
+        and pay the branching extra. Without a cost model, 0: verify them all."""
+        cost = self.step_cost.costs(batch + np.arange(base_nodes + q.size + 1))
+        if cost is None:
+            return 0.0
+        extra = max(self.branch_cost, 0.0) if branching else 0.0
+        return best_extension(q, base_gain, base_nodes, cost, extra)

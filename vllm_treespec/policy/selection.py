@@ -31,3 +31,21 @@ def best_prefix(q: np.ndarray, m: int, cost: np.ndarray,
         return np.zeros(B, dtype=np.int64), float(rate[0])
     # Nodes at or above the threshold (ties may add a few; harmless).
     return (top >= flat[best_k - 1]).sum(1).astype(np.int64), float(rate[best_k])
+
+
+def best_extension(q: np.ndarray, base_gain: float, base_nodes: int, cost: np.ndarray,
+                   extra: float) -> float:
+    """The least estimate q a node of ``q`` (any shape; 0 = no node) needs to be
+    verified beside a selection already made, which emits ``base_gain`` tokens
+    from ``base_nodes`` verified nodes: the cut that maximises the step's rate
+    (gain / ``cost[base_nodes + k]``, ``extra`` added once any is taken).
+    ``inf``: none pays. Copy branches join the drafter's selection this way."""
+    flat = -np.sort(-q[q > 0.0].ravel())
+    room = max(0, min(flat.size, cost.size - 1 - base_nodes))
+    if room == 0:
+        return float("inf")
+    flat = flat[:room]
+    gain = base_gain + np.concatenate([[0.0], np.cumsum(flat, dtype=np.float64)])
+    spent = cost[base_nodes: base_nodes + room + 1] + extra * (np.arange(room + 1) > 0)
+    best_k = int(np.argmax(gain / spent))
+    return float("inf") if best_k == 0 else float(flat[best_k - 1])

@@ -60,12 +60,25 @@ def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: 
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Grafted:
+    """A tree with copies grafted in (lists in BFS order, nodes 1..N)."""
+
+    tokens: list[int]
+    parents: list[int]          # parent node of each node (0 = the root)
+    sources: list[int]          # EAGLE / COPY / BOTH flags of each node
+    branches: list[list[int]]   # per copy: the nodes (1..N) its kept tokens are
+
+    def __iter__(self):  # (tokens, parents, sources), as a tree's lists
+        return iter((self.tokens, self.parents, self.sources))
+
+
 def graft(tokens: list[int], parents: list[int], copies: list[CopyDraft], max_nodes: int,
-          max_children: int) -> tuple[list[int], list[int], list[int]]:
+          max_children: int, lengths: list[int] | None = None) -> Grafted:
     """``tokens`` / ``parents`` (draft nodes 1..N in BFS order, parent 0 = the
     root) with the copies grafted below the root, at most ``max_nodes`` nodes in
     all and ``max_children`` children a node (a copy stops where either would
-    be exceeded); returns (tokens, parents, source flags), again in BFS order.
+    be exceeded), copy i cut to its first ``lengths[i]`` tokens if given.
     The drafted nodes keep their order; new nodes follow at each depth."""
     n = len(tokens)
     tok = [None] + list(tokens)
@@ -78,9 +91,10 @@ def graft(tokens: list[int], parents: list[int], copies: list[CopyDraft], max_no
     kids = [0] * (n + 1)
     for i in range(1, n + 1):
         kids[par[i]] += 1
-    for copy in copies:
-        node = 0
-        for t in copy.tokens:
+    branches: list[list[int]] = []
+    for c, copy in enumerate(copies):
+        node, path = 0, []
+        for t in copy.tokens[:None if lengths is None else lengths[c]]:
             nxt = child.get((node, t))
             if nxt is None:
                 if len(tok) - 1 >= max_nodes or kids[node] >= max_children:
@@ -95,9 +109,22 @@ def graft(tokens: list[int], parents: list[int], copies: list[CopyDraft], max_no
                 child[(node, t)] = nxt
             src[nxt] |= COPY
             node = nxt
+            path.append(nxt)
+        branches.append(path)
     # BFS order: by depth, drafted nodes first at each depth, then in graft order;
     # a stable sort keeps every parent before its children.
     order = sorted(range(1, len(tok)), key=lambda i: depth[i])
     new_index = {0: 0, **{old: k + 1 for k, old in enumerate(order)}}
-    return ([tok[i] for i in order], [new_index[par[i]] for i in order],
-            [src[i] for i in order])
+    return Grafted([tok[i] for i in order], [new_index[par[i]] for i in order],
+                   [src[i] for i in order], [[new_index[i] for i in b] for b in branches])
+
+
+def accepted_along(path: list[int], branch: list[int]) -> int:
+    """How many of a copy's kept nodes ``branch`` the accepted ``path`` (node ids
+    from the first accepted draft on) walked, from its first."""
+    n = 0
+    for node, want in zip(path, branch):
+        if node != want:
+            break
+        n += 1
+    return n

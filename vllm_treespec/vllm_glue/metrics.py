@@ -37,6 +37,11 @@ class Totals:
     draft_faults: int = 0     # drafting steps that raised and fell back to no drafts
     unmatched_trees: int = 0  # scheduled drafts that were not their proposed tree: chains
     placeholder_drafts: int = 0  # vLLM's -1 placeholder drafts, verified as token 0
+    # Accepted drafts by source (copy branches on): nodes only a copy proposed,
+    # and nodes the drafter and a copy both proposed; the rest are the drafter's.
+    copy_accepted: int = 0
+    shared_accepted: int = 0
+    copy_history_mismatches: int = 0  # requests whose history did not end at the root
 
     def add_depths(self, counts: list[int]) -> None:
         if len(counts) > len(self.accepted_at_depth):
@@ -56,6 +61,8 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "draft_faults": t.get("draft_faults", 0),
         "unmatched_trees": t.get("unmatched_trees", 0),
         "placeholder_drafts": t.get("placeholder_drafts", 0),
+        "copy_accepted": t.get("copy_accepted", 0),
+        "shared_accepted": t.get("shared_accepted", 0),
         "mean_accept_len": t["emitted"] / trees,
         "mean_tree_size": t["nodes"] / trees,
         "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
@@ -75,13 +82,16 @@ def difference(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    copied = ("; accepted from copy branches %d, shared %d" % (s["copy_accepted"],
+                                                               s["shared_accepted"])
+              if s.get("copy_accepted") or s.get("shared_accepted") else "")
     return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
             "[%s]; per step: draft %.1f ms, prepare %.1f ms, verify forward %.1f ms, "
             "accept %.1f ms, commit %.1f ms" % (
                 s["mean_accept_len"], s["mean_tree_size"],
                 ", ".join(f"{x:.2f}" for x in s["per_depth_acceptance"]),
                 s["draft_ms_per_step"], s["prepare_ms_per_step"], s["forward_ms_per_step"],
-                s["accept_ms_per_step"], s["commit_ms_per_step"]))
+                s["accept_ms_per_step"], s["commit_ms_per_step"])) + copied
 
 
 # Fallbacks that keep a step correct at a cost in speculation: counted (``/metrics``)
@@ -198,6 +208,13 @@ class TreeMetrics:
                        "forward": round(1e3 * self._forward_s, 3),
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
         self._maybe_log()
+
+    def on_copies(self, copy_only: int, shared: int, mismatches: int) -> None:
+        """Accepted drafts by source this step (see ``copy_source``)."""
+        for t in self._both():
+            t.copy_accepted += copy_only
+            t.shared_accepted += shared
+            t.copy_history_mismatches = mismatches
 
     def on_draft_fault(self) -> None:
         for t in self._both():

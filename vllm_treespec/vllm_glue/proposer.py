@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
@@ -43,6 +44,7 @@ from vllm_treespec.observability import trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue import rank_agreement, support
+from vllm_treespec.vllm_glue.copy_source import CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
@@ -57,6 +59,10 @@ class ProposedTree:
     tokens: list[int]   # draft tokens, BFS order (root excluded)
     parents: list[int]  # parent node index of each draft node (root = 0)
     probs: list[float]  # draft probability of reaching each node (exp of its score)
+    # With copy branches (``copy_source``): each node's sources (copy_drafts
+    # flags) and, per copy, (its match length, the nodes its tokens are).
+    sources: list[int] | None = None
+    branches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def chain(cls, tokens) -> "ProposedTree":
@@ -68,7 +74,9 @@ class ProposedTree:
 
     def prefix(self, n: int) -> "ProposedTree":
         """The first ``n`` nodes (BFS order keeps any prefix a tree)."""
-        return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n])
+        return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n],
+                            None if self.sources is None else self.sources[:n],
+                            [(m, [i for i in nodes if i <= n]) for m, nodes in self.branches])
 
 
 class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
@@ -94,6 +102,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
         self.catch_up_tokens = 0
         self.faults = DraftFaults()  # drafting steps that raised (see propose)
+        self.copies = (CopySource(cfg.copy_branches, cfg.copy_length) if cfg.copy_branches
+                       else None)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -180,7 +190,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             self.deferred.defer(req_ids, next_token_ids[:batch_size],
                                 target_positions[:batch_size],
                                 target_hidden_states[:batch_size], rows, rows)
-            return self._finish_off_step(common_attn_metadata, req_ids, t0)
+            return self._finish_off_step(common_attn_metadata, req_ids, t0,
+                                         next_token_ids[:batch_size])
         target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
 
         # --- first pass: stock EAGLE over the (compacted) accepted chain -----
@@ -197,7 +208,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
-            return self._finish_off_step(cad, req_ids, t0)
+            return self._finish_off_step(cad, req_ids, t0, next_token_ids[:batch_size])
         t_before_catch_up = time.perf_counter()
         if len(self.deferred):
             positions = self._get_positions(num_tokens)
@@ -212,7 +223,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             last_hidden, hidden = self.model(**model_kwargs)
         t_first = time.perf_counter()
         if depth == 0:  # a prefill step: the drafter read it, nothing to draft
-            return self._finish_step(self._hand_over(None), t0)
+            return self._finish_step(self._hand_over(None, next_token_ids[:batch_size]), t0)
         root_hidden = hidden[token_indices_to_sample]               # [B, d]
         root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
 
@@ -307,7 +318,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         check_s = time.perf_counter() - t_check
-        drafts = self._hand_over(trees)
+        drafts = self._hand_over(trees, roots)
         if self.policy is not None:
             # The rest of the step (planning, roots, selection, hand-over) is
             # fixed drafting work; catching up belongs to the off steps before,
@@ -322,10 +333,11 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                                                 and self.slot_state is None))
         return self._finish_step(drafts, t0)
 
-    def _finish_off_step(self, cad, req_ids: list[str], t0: float) -> list[list[int]]:
+    def _finish_off_step(self, cad, req_ids: list[str], t0: float,
+                         roots: torch.Tensor) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:
             self._catch_up(cad, req_ids, None)  # bounded memory: catch up now
-        return self._finish_step(self._hand_over(None), t0)
+        return self._finish_step(self._hand_over(None, roots), t0)
 
     def _finish_step(self, drafts: list[list[int]], t0: float) -> list[list[int]]:
         self.last_draft_seconds = time.perf_counter() - t0
@@ -355,29 +367,54 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                               if i in set(self.topology.parent[1:])) + 1)
         return max(1, cfg.top_k * (cfg.depth - 1))
 
-    def _hand_over(self, trees: TreeBatch | None) -> list[list[int]]:
-        """Draft token lists for the scheduler; remember each tree's shape."""
+    def _hand_over(self, trees: TreeBatch | None,
+                   roots: torch.Tensor | None = None) -> list[list[int]]:
+        """Draft token lists for the scheduler; remember each tree's shape.
+        ``roots``: each request's new root, to graft copy branches below."""
         req_ids = self.runner.input_batch.req_ids
-        if trees is None:
+        B = len(req_ids)
+        if trees is None and (getattr(self, "copies", None) is None or roots is None):
             for r in req_ids:
                 self.proposed.pop(r, None)
             return [[] for _ in req_ids]
-        tokens = trees.token.cpu().numpy()
-        parents = trees.parent.cpu().numpy()
-        probs = torch.exp(trees.score.float()).cpu().numpy()
-        num = trees.num_nodes.cpu().numpy()
-        allowed = self.runner.tree_allowed_mask(len(req_ids))
+        if trees is None:
+            num = np.zeros(B, dtype=np.int64)
+        else:
+            tokens = trees.token.cpu().numpy()
+            parents = trees.parent.cpu().numpy()
+            probs = torch.exp(trees.score.float()).cpu().numpy()
+            num = trees.num_nodes.cpu().numpy()
+        allowed = self.runner.tree_allowed_mask(B)
+        num = np.where(allowed, num[:B], 0)
+        copies = self._copy_plan(trees, probs if trees is not None else None, num, roots)
         out: list[list[int]] = []
         for b, req_id in enumerate(req_ids):
-            n = int(num[b]) if allowed[b] else 0
-            draft = tokens[b, 1: n + 1].tolist()
-            out.append(draft)
-            if n:
-                self.proposed[req_id] = ProposedTree(draft, parents[b, 1: n + 1].tolist(),
-                                                     probs[b, 1: n + 1].tolist())
+            n = int(num[b])
+            tree = (ProposedTree(tokens[b, 1: n + 1].tolist(), parents[b, 1: n + 1].tolist(),
+                                 probs[b, 1: n + 1].tolist()) if n else ProposedTree([], [], []))
+            if copies is not None and allowed[b] and copies[0][b]:
+                tree = ProposedTree(*self.copies.grafted(
+                    tree.tokens, tree.parents, tree.probs, copies[0][b], copies[1][b],
+                    self.tree_cfg.num_nodes, self.tree_cfg.max_children))
+            out.append(tree.tokens)
+            if tree.tokens:
+                self.proposed[req_id] = tree
             else:
                 self.proposed.pop(req_id, None)
         return out
+
+    def _copy_plan(self, trees, probs, num: np.ndarray, roots):
+        """(copies, tokens of each to verify) per request, or None."""
+        if getattr(self, "copies", None) is None or roots is None:
+            return None
+        batch = self.runner.input_batch
+        found = self.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
+                                 roots.tolist())
+        kappa = self.policy.kappa if self.policy is not None else 1.0
+        gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
+                                for b, n in enumerate(num.tolist()) if n)
+        chains = trees is None or bool(trees.is_chain)
+        return found, self.copies.lengths(found, self.policy, gain, int(num.sum()), chains)
 
     # ------------------------------------------------------------------ verify
     def tree_for(self, req_id: str, scheduled: list[int]) -> ProposedTree:

@@ -30,6 +30,7 @@ from vllm_treespec.attention import PagedTreeAttentionMetadata, TreeVerifyRows
 from vllm_treespec.observability import trace_dir_from, validated
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.commit import commit_accepted
+from vllm_treespec.vllm_glue.copy_source import eagle_outcome
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
@@ -74,7 +75,7 @@ class TreeRunnerMixin(StepCostCalibration):
         if self.tree_cfg.adaptive and hasattr(self, "drafter"):
             cfg = self.tree_cfg
             # A static topology fixes the tree: no chain mode to price.
-            self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.max_children,
+            self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.draft_width,
                                               chains=not cfg.is_static,
                                               parallel=cfg.draft == "parallel")
             self.drafter.policy = self.tree_policy
@@ -182,6 +183,7 @@ class TreeRunnerMixin(StepCostCalibration):
             [not self.drafter.proposed_here(r, d) for _, r, d in scheduled])
         trees = [ProposedTree.chain(d) if chain else self.drafter.tree_for(r, d)
                  for (_, r, d), chain in zip(scheduled, as_chain)]
+        self._verify_trees = trees  # their sources, for copy branches' estimates
         req_index = np.array([i for i, _, _ in scheduled], dtype=np.int64)
         # The root is the token just before the drafts, which vLLM schedules at the
         # end of the request's chunk; the chunk may begin with tokens it had not
@@ -327,6 +329,10 @@ class TreeRunnerMixin(StepCostCalibration):
         # Emitted tokens of this step ([B, width], -1 padded) for the drafter's
         # bookkeeping and traces, before vLLM's own bookkeeping runs.
         self.last_sampled_token_ids = out.sampled_token_ids
+        copies = getattr(getattr(self, "drafter", None), "copies", None)
+        if copies is not None:  # each request's history, as of now
+            copies.sampled(out.sampled_token_ids,
+                                        self.input_batch.num_tokens_no_spec)
         return out
 
     def _bookkeeping_sync(self, *args, **kwargs):
@@ -393,14 +399,25 @@ class TreeRunnerMixin(StepCostCalibration):
         t1 = time.perf_counter()
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
-        if self.tree_policy is not None:
-            self.tree_policy.observe_acceptance(outcome, step.depth, step.predicted)
+        drafted = (outcome if getattr(self.drafter, "copies", None) is None
+                   else self._observe_copies(step, acc, outcome))
+        if self.tree_policy is not None and drafted is not None:
+            self.tree_policy.observe_acceptance(drafted, step.depth, step.predicted)
         req_ids = (None if self.tree_metrics.trace is None else
                    [self.input_batch.req_ids[i] for i in step.req_index.tolist()])
         self.tree_metrics.on_verify(step, acc, outcome.accepted, t1 - t0,
                                     time.perf_counter() - t1, req_ids)
         self._verify = None
         return out
+
+    def _observe_copies(self, step: VerifyStep, acc, outcome: Outcome) -> Outcome | None:
+        """Copy branches' acceptance learned and counted; returns what the
+        drafter's own nodes accepted (``copy_source.eagle_outcome``)."""
+        copies = self.drafter.copies
+        paths = [p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
+        copy_only, shared = copies.observe(self._verify_trees, paths)
+        self.tree_metrics.on_copies(copy_only, shared, copies.history_mismatches)
+        return eagle_outcome(outcome, self._verify_trees, paths)
 
     def _commit(self, step: VerifyStep, acc) -> None:
         commit_accepted(step, acc, self.input_batch.block_table[0], self._move_kv,

@@ -17,6 +17,8 @@ would see part of the steps). Series:
     vllm_treespec:draft_faults_total (drafting steps that raised; no drafts that step),
     vllm_treespec:unmatched_trees_total (scheduled drafts not their proposed tree: chains),
     vllm_treespec:placeholder_drafts_total (vLLM's -1 placeholders, verified as token 0),
+    vllm_treespec:accepted_tokens_total{source} (accepted drafts by who proposed them:
+        "drafter", "copy", or "both" -- copy branches, ``copy_branches``),
     vllm_treespec:mean_acceptance_length, vllm_treespec:mean_tree_size (since start)
 """
 
@@ -81,6 +83,9 @@ class TreeStatLogger(StatLoggerBase):
                                "Trees that accepted at least `depth` draft tokens", ["depth"])
         self.stage = series(C, "vllm_treespec:stage_seconds",
                             "Time spent per stage of tree speculation", ["stage"])
+        self.by_source = series(C, "vllm_treespec:accepted_tokens",
+                                "Accepted draft tokens by the source that proposed them",
+                                ["source"])
         self.mean_len = series(G, "vllm_treespec:mean_acceptance_length",
                                "Mean acceptance length (accepted drafts + bonus) since start")
         self.mean_size = series(G, "vllm_treespec:mean_tree_size",
@@ -99,6 +104,10 @@ class TreeStatLogger(StatLoggerBase):
         self.faults.inc(delta["draft_faults"])
         self.unmatched.inc(delta.get("unmatched_trees", 0))
         self.placeholders.inc(delta.get("placeholder_drafts", 0))
+        copied, shared = delta.get("copy_accepted", 0), delta.get("shared_accepted", 0)
+        drafted = delta["emitted"] - delta["trees"] - copied - shared
+        for source, n in (("drafter", drafted), ("copy", copied), ("both", shared)):
+            self.by_source.labels(**self.labels, source=source).inc(max(n, 0))
         for d, c in enumerate(delta["accepted_at_depth"]):
             self.at_depth.labels(**self.labels, depth=str(d + 1)).inc(c)
         for stage, key in (("draft", "draft_s"), ("prepare", "prepare_s"),

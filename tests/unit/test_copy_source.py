@@ -1,0 +1,68 @@
+"""Copy branches' pricing and learning (policy.copy_estimates, selection.best_extension,
+vllm_glue.copy_source.eagle_outcome) and their config keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
+from vllm_treespec.policy.copy_estimates import CopyAcceptance
+from vllm_treespec.policy.selection import best_extension
+from vllm_treespec.tree.accept import Outcome
+from vllm_treespec.tree.copy_drafts import BOTH, COPY, EAGLE
+
+
+def test_estimates_fall_along_a_branch_and_learn_from_its_accepted_part():
+    est = CopyAcceptance(max_match=4, max_length=8)
+    q = est.estimates(3, 8)
+    assert np.all(np.diff(q) <= 0) and q[0] == pytest.approx(CopyAcceptance.PRIOR)
+    for _ in range(50):
+        est.observe(match=4, kept=8, accepted=8)   # long matches: always right
+        est.observe(match=2, kept=8, accepted=0)   # short ones: never
+    assert est.estimates(4, 8)[-1] > 0.8
+    assert est.estimates(2, 1)[0] < 0.05
+    # A rejected first token says nothing about the second (never verified after it).
+    assert est.cond[2, 1] == pytest.approx(CopyAcceptance.PRIOR)
+    before = est.cond[2, 0]
+    est.forget()
+    assert before < est.cond[2, 0] < CopyAcceptance.PRIOR
+
+
+def test_an_extension_takes_the_nodes_that_raise_the_rate():
+    cost = 1.0 + 0.1 * np.arange(20)  # each verified node adds a tenth of a step
+    # Base: 1 request, 2 nodes with estimates summing to 1 -> gain 2 in 1.2.
+    t = best_extension(np.array([0.9, 0.8, 0.05]), 2.0, 2, cost, 0.0)
+    assert t == pytest.approx(0.8)  # 0.05 lowers the rate; 0.9 and 0.8 raise it
+    assert best_extension(np.array([0.05]), 2.0, 2, cost, 0.0) == float("inf")
+    # A branching extra of half a step prices a lone good node out.
+    assert best_extension(np.array([0.9]), 2.0, 2, cost, 0.5) == float("inf")
+    assert best_extension(np.zeros(3), 2.0, 2, cost, 0.0) == float("inf")
+
+
+def test_the_drafter_learns_only_from_its_own_nodes():
+    class Tree:  # what eagle_outcome reads of a ProposedTree
+        def __init__(self, sources):
+            self.sources = sources
+
+    from vllm_treespec.vllm_glue.copy_source import eagle_outcome
+
+    trees = [Tree([BOTH, EAGLE, COPY]),   # root -> 1 (both) -> 3 (copy); root -> 2
+             Tree([COPY, COPY]),          # a copy-only tree: not the drafter's
+             Tree(None)]                  # no copies: as verified
+    out = Outcome([2, 2, 1], [2, 2, 1], [True, True, True])
+    got = eagle_outcome(out, trees, [[1, 3], [1, 2], [1]])
+    assert got.accepted == [1, 1]  # stops at the copy-only node; tree 2 left out
+    assert got.chain_accepted == [1, 1]
+    assert got.chain_censored == [True, True]
+    assert eagle_outcome(Outcome([1], [1], [False]), [Tree([COPY])], [[1]]) is None
+
+
+def test_copy_keys_are_validated_by_name():
+    assert TreeSpecConfig(copy_branches=2).max_children == 8 + 2
+    with pytest.raises(TreeSpecConfigError, match="'copy_branches'.*9.*\\[0, 8\\]"):
+        TreeSpecConfig(copy_branches=9)
+    with pytest.raises(TreeSpecConfigError, match="'copy_length'.*num_nodes=4"):
+        TreeSpecConfig(num_nodes=4, depth=2, copy_branches=1, copy_length=8)
+    with pytest.raises(TreeSpecConfigError, match="'copy_branches'.*choices"):
+        TreeSpecConfig.from_dict({"choices": [[0], [1]], "copy_branches": 1})

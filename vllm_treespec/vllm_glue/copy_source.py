@@ -1,0 +1,143 @@
+"""Copy branches in served trees: found per request, priced, grafted, learned.
+
+Every drafting step (and every step the adaptive budget keeps the drafter off:
+copies cost no drafter forward), each request's history -- its prompt and
+output so far, through this step's new root -- is searched for the
+continuations of its last tokens (``tree.copy_drafts``). vLLM's runner writes a
+step's sampled tokens into ``input_batch.token_ids_cpu`` after the drafter ran
+(when the drafter takes the padded batch; before it otherwise), so the history
+is the tokens it holds (``num_tokens_no_spec``) plus what this step emitted,
+unless they are there already (the count grew since sampling, ``sampled``); a
+request whose history does not end at its root gets no copies, and is counted.
+
+With the adaptive budget, a branch keeps the nodes whose live estimate
+(``policy.copy_estimates``) reaches the threshold at which one more verified
+token stops paying beside the drafter's selection (``selection.best_extension``).
+The verify step reports how far the target accepted along each branch, which
+is what the estimates learn from; the drafter's own estimates learn only from
+the nodes it drafted (``eagle_outcome``).
+
+The drafter's KV stays complete whatever source the accepted tokens came from:
+its next first pass runs over every accepted token (stock EAGLE's catch-up of
+an accepted chain), whether it drafted them or not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_treespec.policy.copy_estimates import CopyAcceptance
+from vllm_treespec.tree.accept import Outcome
+from vllm_treespec.tree.copy_drafts import (
+    COPY, EAGLE, CopyDraft, accepted_along, copy_continuations, graft)
+
+# Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
+# the last HISTORY_WINDOW tokens: the search's cost per step is bounded
+# whatever the context's length.
+MIN_NGRAM, MAX_NGRAM = 2, 4
+HISTORY_WINDOW = 4096
+
+
+class CopySource:
+    def __init__(self, branches: int, length: int):
+        self.branches, self.length = branches, length
+        self.estimates = CopyAcceptance(MAX_NGRAM, length)
+        # This step's emitted tokens per batch row ([B, width], -1 padded) and
+        # each row's token count when they were sampled (``sampled``).
+        self._emitted: list[list[int]] = []
+        self._counted = np.zeros(0, dtype=np.int64)
+        self.history_mismatches = 0
+
+    def sampled(self, sampled_token_ids, num_tokens: np.ndarray) -> None:
+        """The runner's sampler output of this step, before vLLM's bookkeeping."""
+        self._emitted = sampled_token_ids.tolist()
+        self._counted = np.array(num_tokens[:len(self._emitted)], dtype=np.int64)
+
+    def find(self, token_ids: np.ndarray, num_tokens: np.ndarray,
+             roots: list[int]) -> list[list[CopyDraft]]:
+        """Copies per batch row (``roots``: each row's new root token)."""
+        out = []
+        for b, root in enumerate(roots):
+            n = int(num_tokens[b])
+            tail = ([t for t in self._emitted[b] if t >= 0] if b < len(self._emitted)
+                    and n == self._counted[b] else [])  # [] : already in token_ids
+            start = max(0, n + len(tail) - HISTORY_WINDOW)
+            history = np.concatenate([token_ids[b, start:n], np.asarray(tail, np.int64)])
+            if len(history) == 0 or history[-1] != root:
+                self.history_mismatches += len(history) > 0
+                out.append([])
+                continue
+            out.append(copy_continuations(history, MAX_NGRAM, MIN_NGRAM, self.length,
+                                          self.branches))
+        self._emitted = []
+        return out
+
+    def lengths(self, copies: list[list[CopyDraft]], policy, base_gain: float,
+                base_nodes: int, base_chains: bool) -> list[list[int]]:
+        """How many tokens of each copy to verify. Without a policy, all; with
+        one, those whose estimate reaches the batch-wide threshold (a branch
+        beside a drafted chain makes it branch and pays the branching extra)."""
+        if policy is None:
+            return [[len(c.tokens) for c in cs] for cs in copies]
+        q = [[self.estimates.estimates(c.match, len(c.tokens)) for c in cs] for cs in copies]
+        flat = np.concatenate([e for row in q for e in row] or [np.zeros(0)])
+        if flat.size == 0:
+            return [[] for _ in copies]
+        threshold = policy.copy_threshold(flat, base_gain, base_nodes, len(copies),
+                                          branching=base_chains and base_nodes > 0)
+        kept = [[int((e >= threshold).sum()) for e in row] for row in q]
+        if not any(k for row in kept for k in row):
+            self.estimates.forget()
+        return kept
+
+    def grafted(self, tokens: list[int], parents: list[int], probs: list[float],
+                copies: list[CopyDraft], lengths: list[int], max_nodes: int,
+                max_children: int):
+        """A drafted tree's lists with the copies grafted in: (tokens, parents,
+        draft probabilities -- 0 for nodes only a copy proposed, which the
+        drafter's calibration must not count --, sources, branches)."""
+        g = graft(tokens, parents, copies, max_nodes, max_children, lengths)
+        drafted = iter(probs)
+        new_probs = [next(drafted) if s & EAGLE else 0.0 for s in g.sources]
+        return (g.tokens, g.parents, new_probs, g.sources,
+                [(c.match, nodes) for c, nodes in zip(copies, g.branches)])
+
+    def observe(self, trees, paths: list[list[int]]) -> tuple[int, int]:
+        """Verified trees (``ProposedTree``s) and their accepted paths (node ids
+        from the first accepted draft): learn each branch's acceptance; returns
+        (tokens accepted from copy-only nodes, from nodes both sources proposed)."""
+        copy_only = both = 0
+        for tree, path in zip(trees, paths):
+            if not tree.branches:
+                continue
+            for match, nodes in tree.branches:
+                if nodes:
+                    self.estimates.observe(match, len(nodes), accepted_along(path, nodes))
+            for node in path:
+                src = tree.sources[node - 1]
+                copy_only += src == COPY
+                both += src == EAGLE | COPY
+        return copy_only, both
+
+
+def eagle_outcome(outcome: Outcome, trees, paths: list[list[int]]) -> Outcome | None:
+    """What the verify step says of the drafter's own nodes: per tree that has
+    any, the accepted drafts up to the first node only a copy proposed (the
+    greedy chain likewise; it is censored where the path left the drafter's
+    nodes at its tip). None if no tree has a drafted node."""
+    acc, chain, censored = [], [], []
+    for i, (tree, path) in enumerate(zip(trees, paths)):
+        if tree.sources is None:
+            acc.append(outcome.accepted[i])
+            chain.append(outcome.chain_accepted[i])
+            censored.append(outcome.chain_censored[i])
+            continue
+        if not any(s & EAGLE for s in tree.sources):
+            continue
+        drafted = 0
+        while drafted < len(path) and tree.sources[path[drafted] - 1] & EAGLE:
+            drafted += 1
+        acc.append(drafted)
+        chain.append(min(outcome.chain_accepted[i], drafted))
+        censored.append(outcome.chain_censored[i] or outcome.chain_accepted[i] > drafted)
+    return Outcome(acc, chain, censored) if acc else None
