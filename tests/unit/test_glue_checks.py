@@ -240,7 +240,7 @@ def _failing_proposer(error: BaseException):
     from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 
     proposer = TreeEagleProposer.__new__(TreeEagleProposer)
-    proposer.faults, proposer.proposed = DraftFaults(), {}
+    proposer.faults, proposer.proposed, proposer.copies = DraftFaults(), {}, None
     proposer.deferred = types.SimpleNamespace(forget=lambda req_ids: None)
     proposer.runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a", "b"]),
                                             tree_metrics=TreeMetrics(log_interval_s=None))

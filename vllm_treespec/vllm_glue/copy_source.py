@@ -46,7 +46,6 @@ class CopySource:
         # each row's token count when they were sampled (``sampled``).
         self._emitted: list[list[int]] = []
         self._counted = np.zeros(0, dtype=np.int64)
-        self.history_mismatches = 0
 
     def sampled(self, sampled_token_ids, num_tokens: np.ndarray) -> None:
         """The runner's sampler output of this step, before vLLM's bookkeeping."""
@@ -54,9 +53,10 @@ class CopySource:
         self._counted = np.array(num_tokens[:len(self._emitted)], dtype=np.int64)
 
     def find(self, token_ids: np.ndarray, num_tokens: np.ndarray,
-             roots: list[int]) -> list[list[CopyDraft]]:
-        """Copies per batch row (``roots``: each row's new root token)."""
-        out = []
+             roots: list[int]) -> tuple[list[list[CopyDraft]], int]:
+        """Copies per batch row (``roots``: each row's new root token), and how
+        many rows' histories did not end at their root (those get none)."""
+        out, mismatches = [], 0
         for b, root in enumerate(roots):
             n = int(num_tokens[b])
             tail = ([t for t in self._emitted[b] if t >= 0] if b < len(self._emitted)
@@ -64,13 +64,13 @@ class CopySource:
             start = max(0, n + len(tail) - HISTORY_WINDOW)
             history = np.concatenate([token_ids[b, start:n], np.asarray(tail, np.int64)])
             if len(history) == 0 or history[-1] != root:
-                self.history_mismatches += len(history) > 0
+                mismatches += len(history) > 0
                 out.append([])
                 continue
             out.append(copy_continuations(history, MAX_NGRAM, MIN_NGRAM, self.length,
                                           self.branches))
         self._emitted = []
-        return out
+        return out, mismatches
 
     def lengths(self, copies: list[list[CopyDraft]], policy, base_gain: float,
                 base_nodes: int, base_chains: bool) -> list[list[int]]:

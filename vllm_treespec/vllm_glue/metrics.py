@@ -41,7 +41,7 @@ class Totals:
     # and nodes the drafter and a copy both proposed; the rest are the drafter's.
     copy_accepted: int = 0
     shared_accepted: int = 0
-    copy_history_mismatches: int = 0  # requests whose history did not end at the root
+    copy_history_mismatches: int = 0  # requests whose history did not end at their root
 
     def add_depths(self, counts: list[int]) -> None:
         if len(counts) > len(self.accepted_at_depth):
@@ -101,6 +101,8 @@ FALLBACKS = {
                        "(another tensor-parallel rank's, or none); verified as a chain",
     "placeholder_drafts": "vLLM scheduled -1 placeholder drafts (a request padded to the "
                           "batch's draft count); verified as a chain of token 0",
+    "copy_history_mismatches": "a request's token history did not end at its new root "
+                               "(copy branches); it got no copies this step",
 }
 
 
@@ -209,12 +211,11 @@ class TreeMetrics:
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
         self._maybe_log()
 
-    def on_copies(self, copy_only: int, shared: int, mismatches: int) -> None:
+    def on_copies(self, copy_only: int, shared: int) -> None:
         """Accepted drafts by source this step (see ``copy_source``)."""
         for t in self._both():
             t.copy_accepted += copy_only
             t.shared_accepted += shared
-            t.copy_history_mismatches = mismatches
 
     def on_draft_fault(self) -> None:
         for t in self._both():

@@ -373,7 +373,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         ``roots``: each request's new root, to graft copy branches below."""
         req_ids = self.runner.input_batch.req_ids
         B = len(req_ids)
-        if trees is None and (getattr(self, "copies", None) is None or roots is None):
+        if trees is None and (self.copies is None or roots is None):
             for r in req_ids:
                 self.proposed.pop(r, None)
             return [[] for _ in req_ids]
@@ -405,11 +405,14 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
 
     def _copy_plan(self, trees, probs, num: np.ndarray, roots):
         """(copies, tokens of each to verify) per request, or None."""
-        if getattr(self, "copies", None) is None or roots is None:
+        if self.copies is None or roots is None:
             return None
         batch = self.runner.input_batch
-        found = self.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
-                                 roots.tolist())
+        found, mismatches = self.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
+                                             roots.tolist())
+        metrics = getattr(self.runner, "tree_metrics", None)
+        if metrics is not None:
+            metrics.on_fallback("copy_history_mismatches", mismatches)
         kappa = self.policy.kappa if self.policy is not None else 1.0
         gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
                                 for b, n in enumerate(num.tolist()) if n)

@@ -183,7 +183,6 @@ class TreeRunnerMixin(StepCostCalibration):
             [not self.drafter.proposed_here(r, d) for _, r, d in scheduled])
         trees = [ProposedTree.chain(d) if chain else self.drafter.tree_for(r, d)
                  for (_, r, d), chain in zip(scheduled, as_chain)]
-        self._verify_trees = trees  # their sources, for copy branches' estimates
         req_index = np.array([i for i, _, _ in scheduled], dtype=np.int64)
         # The root is the token just before the drafts, which vLLM schedules at the
         # end of the request's chunk; the chunk may begin with tokens it had not
@@ -208,6 +207,7 @@ class TreeRunnerMixin(StepCostCalibration):
                           token_start=torch.from_numpy(token_start).to(dev),
                           logit_start=torch.from_numpy(logit_start).to(dev),
                           num_reqs=num_reqs, draft_probs=[t.probs for t in trees],
+                          proposed=trees,
                           depth=getattr(self.drafter, "last_depth", tree.max_depth))
         if not tree.is_chain:  # a chain's depths are its linear positions already
             # Depth-based rotary positions; the slot mapping above stays linear.
@@ -331,8 +331,7 @@ class TreeRunnerMixin(StepCostCalibration):
         self.last_sampled_token_ids = out.sampled_token_ids
         copies = getattr(getattr(self, "drafter", None), "copies", None)
         if copies is not None:  # each request's history, as of now
-            copies.sampled(out.sampled_token_ids,
-                                        self.input_batch.num_tokens_no_spec)
+            copies.sampled(out.sampled_token_ids, self.input_batch.num_tokens_no_spec)
         return out
 
     def _bookkeeping_sync(self, *args, **kwargs):
@@ -399,7 +398,7 @@ class TreeRunnerMixin(StepCostCalibration):
         t1 = time.perf_counter()
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
-        drafted = (outcome if getattr(self.drafter, "copies", None) is None
+        drafted = (outcome if self.drafter.copies is None
                    else self._observe_copies(step, acc, outcome))
         if self.tree_policy is not None and drafted is not None:
             self.tree_policy.observe_acceptance(drafted, step.depth, step.predicted)
@@ -415,9 +414,9 @@ class TreeRunnerMixin(StepCostCalibration):
         drafter's own nodes accepted (``copy_source.eagle_outcome``)."""
         copies = self.drafter.copies
         paths = [p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
-        copy_only, shared = copies.observe(self._verify_trees, paths)
-        self.tree_metrics.on_copies(copy_only, shared, copies.history_mismatches)
-        return eagle_outcome(outcome, self._verify_trees, paths)
+        copy_only, shared = copies.observe(step.proposed, paths)
+        self.tree_metrics.on_copies(copy_only, shared)
+        return eagle_outcome(outcome, step.proposed, paths)
 
     def _commit(self, step: VerifyStep, acc) -> None:
         commit_accepted(step, acc, self.input_batch.block_table[0], self._move_kv,

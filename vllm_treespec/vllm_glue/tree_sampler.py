@@ -89,6 +89,8 @@ class VerifyStep:
     num_reqs: int
     # Per tree, per draft node: its draft probability (the product along its path).
     draft_probs: list[list[float]] | None = None
+    # The ProposedTree of each tree (its sources and copy branches, if any).
+    proposed: list | None = None
     depth: int = 0               # drafting depth that produced these trees
     prepare_s: float = 0.0       # tensorize + positions + attention metadata
     hidden_states: torch.Tensor | None = None
