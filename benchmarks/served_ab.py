@@ -18,8 +18,11 @@ cached prefix of another's.
     python benchmarks/served_ab.py --methods none,eagle3_tree --turns 48 --max-tokens 128 \
         --concurrency 16 --out DIR
     python benchmarks/served_ab.py --tp 2 --methods none,eagle3:k=2,eagle3_tree --out DIR
+    python benchmarks/served_ab.py --suite code_edit --methods none,ngram:k=4,eagle3_tree,\
+        eagle3_tree:copy_branches=2 --out DIR
 
-Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``).
+Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``,
+``ngram:k=4`` for vLLM's prompt lookup).
 Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``) and
 holds ~4 GB as started (the worker ~2.8), so that four of them fit in 24 GB; a set
 that would not fit is refused once the first server is up. Writes
@@ -44,6 +47,20 @@ import os
 import shlex
 import sys
 from pathlib import Path
+
+
+SUITES = ("pangu240", "code_edit", "mtbench2")
+
+
+def suite_turns(suite: str, n: int) -> list:
+    """The first ``n`` turns of a suite (second MT-Bench turns still unresolved)."""
+    from vllm_treespec.bench import code_edits, pangu240
+
+    if suite == "code_edit":
+        return code_edits.code_edit_turns(n)
+    if suite == "mtbench2":
+        return [t for t in pangu240.build_turns() if t.depends_on is not None][:n]
+    return pangu240.first_turns(n)
 
 
 def check_memory(first, count: int) -> None:
@@ -74,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="none,eagle3:k=2,eagle3_tree")
-    p.add_argument("--turns", type=int, default=16, help="first-turn prompts of pangu240")
+    p.add_argument("--suite", default="pangu240", choices=SUITES,
+                   help="pangu240: its first turns; code_edit: bench/code_edits.py; mtbench2: "
+                        "MT-Bench second turns, after the first method's own first answers")
+    p.add_argument("--turns", type=int, default=16, help="turns of the suite")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)
     p.add_argument("--tree", default=None, help="JSON of eagle3_tree settings")
@@ -108,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     methods = [parse_method(m, args) for m in split_methods(args.methods)]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)}
-    turns = pangu240.first_turns(args.turns)
+    turns = suite_turns(args.suite, args.turns)
     log = lambda msg: print(f"[served_ab] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 
     servers: dict[str, Server] = {}
@@ -121,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                 check_memory(servers[label], len(methods))
         drivers = {label: Driver(s, args.max_tokens, args.temperature, top_p=args.top_p)
                    for label, s in servers.items()}
+        if args.suite == "mtbench2":  # greedy and lossless: every method's own answers
+            first_driver = next(iter(drivers.values()))
+            turns = pangu240.materialize(turns, lambda t: first_driver.run_turn(t).text)
         for d in drivers.values():
             d.run_turn(pangu240.Turn("warmup", "warmup",
                                      [{"role": "user", "content": "Say hello."}]))
@@ -150,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     first = methods[0][0]
     summary = {"command": "python benchmarks/served_ab.py " + " ".join(
                    shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-               "turns": len(turns), "max_tokens": args.max_tokens,
+               "suite": args.suite, "turns": len(turns), "max_tokens": args.max_tokens,
                "temperature": args.temperature, "top_p": args.top_p,
                "concurrency": args.concurrency, "env": env, "methods": {}}
 

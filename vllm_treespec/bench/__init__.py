@@ -52,7 +52,13 @@ def parse_method(text: str, args) -> tuple[str, dict | None]:
         tree = dict(json.loads(args.tree) if args.tree else {})
         tree.update(kv)
         return text, {"method": "eagle3_tree", "model": args.drafter, **tree}
-    raise SystemExit(f"bench: unknown method {name!r} (none, eagle3, eagle3_tree)")
+    if name == "ngram":  # vLLM's prompt lookup: n-grams of 4 down to 2, as our copy source
+        return text, {"method": "ngram", "num_speculative_tokens": int(kv.pop("k", 4)),
+                      "prompt_lookup_max": 4, "prompt_lookup_min": 2, **kv}
+    raise SystemExit(f"bench: unknown method {name!r} (one of: {', '.join(METHODS)})")
+
+
+METHODS = ("none", "eagle3", "eagle3_tree", "ngram")
 
 
 def split_methods(text: str) -> list[str]:
@@ -62,7 +68,7 @@ def split_methods(text: str) -> list[str]:
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if out and part.split(":")[0] not in ("none", "eagle3", "eagle3_tree"):
+        if out and part.split(":")[0] not in METHODS:
             out[-1] += "," + part
         else:
             out.append(part)
