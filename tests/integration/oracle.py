@@ -132,7 +132,7 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
         the most frequent observed continuations of the current output
         (``max_children`` of them a node at most).
     """
-    from vllm_treespec.vllm_glue.proposer import ProposedTree
+    from vllm_treespec.tree.proposed import ProposedTree
 
     runner = worker.model_runner
     drafter = runner.drafter
@@ -384,40 +384,3 @@ def count_chunk_faults(worker, control_pad_locals: int) -> bool:
 def chunk_faults(worker) -> dict[str, list[int]]:
     """collective_rpc target: what ``count_chunk_faults`` counted, per entry call."""
     return worker._treespec_chunk_faults
-
-
-def slow_clock(worker, rank: int, factor: float) -> bool:
-    """collective_rpc target: on tensor-parallel ``rank``, every timing the tree
-    runner, drafter and calibrations take runs ``factor`` times slow (as on a rank
-    whose core is busy), and each rank records the depth its adaptive budget plans
-    at every drafting step (``planned_depths``)."""
-    import time as real_time
-
-    from vllm.distributed import get_tp_group
-
-    from vllm_treespec.vllm_glue import calibration, cpu_linear, proposer, runner
-
-    worker_rank = get_tp_group().rank_in_group
-    if worker_rank == rank:
-        start = real_time.perf_counter()
-        clock = types.SimpleNamespace(
-            perf_counter=lambda: start + factor * (real_time.perf_counter() - start),
-            monotonic=real_time.monotonic, sleep=real_time.sleep, time=real_time.time)
-        for module in (calibration, cpu_linear, proposer, runner):
-            module.time = clock
-    policy = worker.model_runner.tree_policy
-    plans = worker.model_runner._planned_depths = []
-    original = policy.plan_depth
-
-    def plan_depth(batch):
-        depth = original(batch)
-        plans.append(depth)
-        return depth
-
-    policy.plan_depth = plan_depth
-    return worker_rank == rank
-
-
-def planned_depths(worker) -> list[int]:
-    """collective_rpc target: the depths ``slow_clock`` recorded on this rank."""
-    return list(getattr(worker.model_runner, "_planned_depths", []))

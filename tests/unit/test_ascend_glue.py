@@ -226,7 +226,7 @@ def _impl(glue, config=None, **change):
 
 
 def _seat_request(runner, prefix, drafts, parents):
-    from vllm_treespec.vllm_glue.proposer import ProposedTree
+    from vllm_treespec.tree.proposed import ProposedTree
 
     tree = ProposedTree(tokens=drafts, parents=parents, probs=[0.5] * len(drafts))
     runner.scheduler_output = NS(scheduled_spec_decode_tokens={"r0": drafts})

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from vllm_treespec.tree import TreeBatch
 from vllm_treespec.tree.copy_drafts import (
-    BOTH, COPY, EAGLE, CopyDraft, accepted_along, copy_continuations, graft)
+    BOTH, COPY, EAGLE, CopyDraft, Grafted, accepted_along, copy_continuations, graft, prune)
 
 
 def test_the_continuation_after_the_last_match_is_found():
@@ -139,3 +139,40 @@ def test_accepted_along_counts_the_walked_part_of_a_branch():
     assert accepted_along([1, 4], [1, 4, 5]) == 2
     assert accepted_along([2, 6], [1, 4, 5]) == 0
     assert accepted_along([], [1]) == 0
+
+
+def test_a_full_tree_makes_room_for_a_likelier_copy():
+    # Drafted (full at 4 nodes): root -> 10 (0.9) -> 11 (0.2); root -> 20 (0.3) -> 21 (0.1).
+    tokens, parents = [10, 20, 11, 21], [0, 0, 1, 2]
+    g = graft(tokens, parents, [CopyDraft((30, 31), 4)], max_nodes=6, max_children=4)
+    # BFS: 10, 20, 30 | 11, 21, 31. The copy's estimates beat the weak drafts.
+    values = [0.9, 0.3, 0.8, 0.2, 0.1, 0.7]
+    out, kept = prune(g, values, max_nodes=4)
+    assert tuple(out) == ([10, 20, 30, 31], [0, 0, 0, 3], [EAGLE, EAGLE, COPY, COPY])
+    assert kept == [1, 2, 3, 6] and out.branches == [[3, 4]]
+    # A child valued above its parent is kept only with it (values are capped).
+    out, _ = prune(g, [0.9, 0.3, 0.05, 0.2, 0.1, 0.7], max_nodes=4)
+    assert out.tokens == [10, 20, 11, 21]
+
+
+@settings(max_examples=200, deadline=None)
+@given(drafted_trees(), st.data())
+def test_pruned_trees_are_subtrees_of_the_most_valuable_nodes(tree, data):
+    tokens, parents = tree
+    n = len(tokens)
+    values = data.draw(st.lists(st.floats(0, 1), min_size=n, max_size=n))
+    keep = data.draw(st.integers(0, n + 1))
+    g = Grafted(tokens, parents, [EAGLE] * n, [])
+    out, kept = prune(g, values, keep)
+    assert len(kept) == min(n, keep) and kept == sorted(kept)
+    if out.tokens:
+        TreeBatch.from_parents([[99] + out.tokens], [[0] + out.parents],
+                               tree_size=1 + len(out.tokens), max_children=3).validate()
+    for old, new_parent in zip(kept, out.parents):  # each kept node's parent is kept
+        assert new_parent == 0 or kept[new_parent - 1] == parents[old - 1]
+    # Nothing dropped is worth more than something kept, once capped at its parent.
+    capped = [float("inf")] + [0.0] * n
+    for i in range(1, n + 1):
+        capped[i] = min(values[i - 1], capped[parents[i - 1]])
+    dropped = [capped[i] for i in range(1, n + 1) if i not in kept]
+    assert not dropped or not kept or max(dropped) <= min(capped[i] for i in kept)

@@ -66,3 +66,25 @@ def test_copy_keys_are_validated_by_name():
         TreeSpecConfig(num_nodes=4, depth=2, copy_branches=1, copy_length=8)
     with pytest.raises(TreeSpecConfigError, match="'copy_branches'.*choices"):
         TreeSpecConfig.from_dict({"choices": [[0], [1]], "copy_branches": 1})
+
+
+def test_a_copy_displaces_unlikely_drafts_of_a_full_tree():
+    """A drafted tree at the node budget leaves a copy no room (graft alone would
+    drop it): ranked together, the copy's first tokens (prior estimates 0.5, 0.25)
+    take the places of two drafts of probability 0.1 (ties go to the earlier
+    node), and the drafter keeps its likely node."""
+    from vllm_treespec.tree.copy_drafts import CopyDraft
+    from vllm_treespec.vllm_glue.copy_source import CopySource
+
+    source = CopySource(branches=1, length=4)
+    tokens, parents, probs = [10, 20, 11, 12], [0, 0, 1, 1], [0.9, 0.1, 0.1, 0.1]
+    copy = CopyDraft((30, 31, 32, 33), 3)
+    got_tokens, got_parents, got_probs, sources, branches = source.grafted(
+        tokens, parents, probs, [copy], [2], max_nodes=4, max_children=4)
+    assert (got_tokens, got_parents) == ([10, 20, 30, 31], [0, 0, 0, 3])
+    assert got_probs == [0.9, 0.1, 0.0, 0.0] and sources == [EAGLE, EAGLE, COPY, COPY]
+    assert branches == [(3, [3, 4])]
+    # The drafter's calibration scales its probabilities: at 3x, its 0.3 beats 0.25.
+    got_tokens, *_ = source.grafted(tokens, parents, probs, [copy], [2], max_nodes=4,
+                                    max_children=4, drafter_scale=3.0)
+    assert got_tokens == [10, 20, 30, 11]

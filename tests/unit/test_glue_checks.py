@@ -136,7 +136,7 @@ def test_the_root_is_the_token_before_the_drafts_when_a_chunk_carries_more():
     two drafts (vLLM puts drafts at the end): the root is the chunk's third token,
     at position 12. The old runner took the chunk's first token (41) for the root,
     at position 10, and gave the drafts the wrong rotary positions."""
-    from vllm_treespec.vllm_glue.proposer import ProposedTree
+    from vllm_treespec.tree.proposed import ProposedTree
 
     branch = ProposedTree([21, 22], [0, 0], [0.5, 0.25])
     runner, schedule, spec_md = _runner(
@@ -157,7 +157,7 @@ def test_a_tree_wider_than_max_children_never_collides_in_the_child_table(valida
     the second's column: acceptance at T > 0 never tried the second. Now the
     table is widened to hold it or, validating, the tree is dumped and verified
     as a chain."""
-    from vllm_treespec.vllm_glue.proposer import ProposedTree
+    from vllm_treespec.tree.proposed import ProposedTree
 
     runner, schedule, spec_md = _runner(
         [("a", [7, 11, 12, 13], 4, [11, 12, 13])],
@@ -177,7 +177,7 @@ def test_a_tree_wider_than_max_children_never_collides_in_the_child_table(valida
 def test_drafts_verified_as_chains_are_counted_and_warned_of_once(warnings):
     """Placeholder (-1) drafts and drafts that are not the proposed tree used to
     become chains silently; now each is a counter and one warning."""
-    from vllm_treespec.vllm_glue.proposer import ProposedTree
+    from vllm_treespec.tree.proposed import ProposedTree
 
     rows = [("a", [7, 11, 12], 4, [11, 12]),       # proposed as a branch
             ("c", [8, -1, -1], 6, [-1, -1]),        # vLLM's placeholders

@@ -119,6 +119,24 @@ def graft(tokens: list[int], parents: list[int], copies: list[CopyDraft], max_no
                    [src[i] for i in order], [[new_index[i] for i in b] for b in branches])
 
 
+def prune(g: Grafted, values: list[float], max_nodes: int) -> tuple[Grafted, list[int]]:
+    """The ``max_nodes`` most valuable nodes of ``g`` (``values``: each node's
+    estimated chance of acceptance) and their ids in ``g`` (1..N). A node's value
+    is capped at its parent's, and ties go to the earlier node, so the kept nodes
+    form a subtree (a parent is kept before its children) and keep BFS order."""
+    n = len(g.tokens)
+    if n <= max_nodes:
+        return g, list(range(1, n + 1))
+    v = [float("inf")] + list(values)
+    for i in range(1, n + 1):
+        v[i] = min(v[i], v[g.parents[i - 1]])
+    keep = sorted(sorted(range(1, n + 1), key=lambda i: (-v[i], i))[:max_nodes])
+    new = {0: 0, **{old: k + 1 for k, old in enumerate(keep)}}
+    return Grafted([g.tokens[i - 1] for i in keep], [new[g.parents[i - 1]] for i in keep],
+                   [g.sources[i - 1] for i in keep],
+                   [[new[i] for i in b if i in new] for b in g.branches]), keep
+
+
 def accepted_along(path: list[int], branch: list[int]) -> int:
     """How many of a copy's kept nodes ``branch`` the accepted ``path`` (node ids
     from the first accepted draft on) walked, from its first."""

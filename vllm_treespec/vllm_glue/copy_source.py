@@ -29,7 +29,7 @@ import numpy as np
 from vllm_treespec.policy.copy_estimates import CopyAcceptance
 from vllm_treespec.tree.accept import Outcome
 from vllm_treespec.tree.copy_drafts import (
-    COPY, EAGLE, CopyDraft, accepted_along, copy_continuations, graft)
+    COPY, EAGLE, CopyDraft, accepted_along, copy_continuations, graft, prune)
 
 # Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
 # the last HISTORY_WINDOW tokens: the search's cost per step is bounded
@@ -92,13 +92,23 @@ class CopySource:
 
     def grafted(self, tokens: list[int], parents: list[int], probs: list[float],
                 copies: list[CopyDraft], lengths: list[int], max_nodes: int,
-                max_children: int):
+                max_children: int, drafter_scale: float = 1.0):
         """A drafted tree's lists with the copies grafted in: (tokens, parents,
         draft probabilities -- 0 for nodes only a copy proposed, which the
-        drafter's calibration must not count --, sources, branches)."""
-        g = graft(tokens, parents, copies, max_nodes, max_children, lengths)
+        drafter's calibration must not count --, sources, branches). Past
+        ``max_nodes`` (a full drafted tree: no room for a copy), the nodes least
+        likely to be accepted go, copies and drafts ranked together: a drafted
+        node by its draft probability times ``drafter_scale`` (the budget's
+        calibration), a copy's by its live estimate."""
+        g = graft(tokens, parents, copies, len(tokens) + sum(lengths), max_children, lengths)
         drafted = iter(probs)
         new_probs = [next(drafted) if s & EAGLE else 0.0 for s in g.sources]
+        values = [min(drafter_scale * p, 1.0) for p in new_probs]
+        for c, nodes in zip(copies, g.branches):
+            for node, q in zip(nodes, self.estimates.estimates(c.match, len(nodes))):
+                values[node - 1] = max(values[node - 1], float(q))
+        g, kept = prune(g, values, max_nodes)
+        new_probs = [new_probs[i - 1] for i in kept]
         return (g.tokens, g.parents, new_probs, g.sources,
                 [(c.match, nodes) for c, nodes in zip(copies, g.branches)])
 

@@ -30,7 +30,6 @@ parallel-drafting slots (``parallel_drafts``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -42,6 +41,7 @@ from vllm.v1.spec_decode.eagle import EagleProposer
 from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.observability import trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
+from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.vllm_glue.copy_source import CopySource
@@ -50,33 +50,6 @@ from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
 from vllm_treespec.vllm_glue.parallel_drafts import ParallelDrafting
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-
-
-@dataclasses.dataclass
-class ProposedTree:
-    """A request's draft tree, as handed to the scheduler and later verified."""
-
-    tokens: list[int]   # draft tokens, BFS order (root excluded)
-    parents: list[int]  # parent node index of each draft node (root = 0)
-    probs: list[float]  # draft probability of reaching each node (exp of its score)
-    # With copy branches (``copy_source``): each node's sources (copy_drafts
-    # flags) and, per copy, (its match length, the nodes its tokens are).
-    sources: list[int] | None = None
-    branches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def chain(cls, tokens) -> "ProposedTree":
-        """Drafts verified as a chain, each the child of the one before, with no
-        draft probabilities: correct whatever the tokens (each is verified as a
-        deterministic proposal), for drafts whose tree is unknown here."""
-        tokens = list(tokens)
-        return cls(tokens, list(range(len(tokens))), [0.0] * len(tokens))
-
-    def prefix(self, n: int) -> "ProposedTree":
-        """The first ``n`` nodes (BFS order keeps any prefix a tree)."""
-        return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n],
-                            None if self.sources is None else self.sources[:n],
-                            [(m, [i for i in nodes if i <= n]) for m, nodes in self.branches])
 
 
 class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
@@ -387,6 +360,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         allowed = self.runner.tree_allowed_mask(B)
         num = np.where(allowed, num[:B], 0)
         copies = self._copy_plan(trees, probs if trees is not None else None, num, roots)
+        kappa = self.policy.kappa if self.policy is not None else 1.0
         out: list[list[int]] = []
         for b, req_id in enumerate(req_ids):
             n = int(num[b])
@@ -395,7 +369,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             if copies is not None and allowed[b] and copies[0][b]:
                 tree = ProposedTree(*self.copies.grafted(
                     tree.tokens, tree.parents, tree.probs, copies[0][b], copies[1][b],
-                    self.tree_cfg.num_nodes, self.tree_cfg.max_children))
+                    self.tree_cfg.num_nodes, self.tree_cfg.max_children, kappa))
             out.append(tree.tokens)
             if tree.tokens:
                 self.proposed[req_id] = tree

@@ -35,7 +35,8 @@ from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
-from vllm_treespec.vllm_glue.proposer import ProposedTree, TreeEagleProposer
+from vllm_treespec.tree.proposed import ProposedTree
+from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.tree_sampler import (VerifyStep, sample_with_trees,
                                                   seat_position_generators, tree_safe)

@@ -1,0 +1,33 @@
+"""A request's proposed draft tree as plain lists: what the proposer hands the
+scheduler (its tokens, BFS order) and keeps until the runner verifies it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ProposedTree:
+    """A request's draft tree, as handed to the scheduler and later verified."""
+
+    tokens: list[int]   # draft tokens, BFS order (root excluded)
+    parents: list[int]  # parent node index of each draft node (root = 0)
+    probs: list[float]  # draft probability of reaching each node (exp of its score)
+    # With copy branches (``copy_source``): each node's sources (copy_drafts
+    # flags) and, per copy, (its match length, the nodes its tokens are).
+    sources: list[int] | None = None
+    branches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def chain(cls, tokens) -> "ProposedTree":
+        """Drafts verified as a chain, each the child of the one before, with no
+        draft probabilities: correct whatever the tokens (each is verified as a
+        deterministic proposal), for drafts whose tree is unknown here."""
+        tokens = list(tokens)
+        return cls(tokens, list(range(len(tokens))), [0.0] * len(tokens))
+
+    def prefix(self, n: int) -> "ProposedTree":
+        """The first ``n`` nodes (BFS order keeps any prefix a tree)."""
+        return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n],
+                            None if self.sources is None else self.sources[:n],
+                            [(m, [i for i in nodes if i <= n]) for m, nodes in self.branches])
