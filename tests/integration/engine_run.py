@@ -15,12 +15,14 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "record_proposals": bool (stock or tree drafter),
        "slow_rank": {"rank", "factor"} | null (that tensor-parallel rank's clock runs
        factor times slow; every rank records its planned depths),
+       "record_plans": bool (the adaptive budget's decisions, rank 0's),
        "chunk_faults": {"control_pad_locals": int} | null (page faults inside the
        runner's fresh-chunk entries, see oracle.count_chunk_faults)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "proposals": {"prompt hash@root position": [draft tokens]} | null,
        "planned_depths": [[depth per drafting step] per rank] | null (with "slow_rank"),
+       "plans": [[batch, planned depth, probe] per drafting step] | null (with "record_plans"),
        "chunk_faults": {"shipped"|"control": [faults per execute_model]} | null,
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
        "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
@@ -41,7 +43,7 @@ def main(spec_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    from tests.integration import oracle, parallel_oracle
+    from tests.integration import budget_hooks, oracle, parallel_oracle
 
     spec = json.loads(open(spec_path).read())
     llm = LLM(**dict(spec["engine"], disable_log_stats=False))
@@ -72,8 +74,10 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(oracle.count_chunk_faults,
                            args=(spec["chunk_faults"]["control_pad_locals"],))
     if spec.get("slow_rank") and tree_mode:
-        llm.collective_rpc(oracle.slow_clock, args=(spec["slow_rank"]["rank"],
-                                                    spec["slow_rank"]["factor"]))
+        llm.collective_rpc(budget_hooks.slow_clock, args=(spec["slow_rank"]["rank"],
+                                                          spec["slow_rank"]["factor"]))
+    elif spec.get("record_plans") and tree_mode:
+        llm.collective_rpc(budget_hooks.record_plans)
     if spec.get("vllm_zero_drafts") and tree_mode:
         llm.collective_rpc(oracle.restore_vllm_zero_drafts)
     sampling = SamplingParams(**spec["sampling"])
@@ -104,8 +108,9 @@ def main(spec_path: str, out_path: str) -> None:
                  if spec.get("record_proposals") else None)
     chunk_faults = (llm.collective_rpc(oracle.chunk_faults)[0]
                     if spec.get("chunk_faults") is not None and tree_mode else None)
-    planned = (llm.collective_rpc(oracle.planned_depths)
-               if spec.get("slow_rank") and tree_mode else None)
+    plans = (llm.collective_rpc(budget_hooks.recorded_plans)
+             if (spec.get("slow_rank") or spec.get("record_plans")) and tree_mode else None)
+    planned = [[d for _, d, _ in p] for p in plans] if plans and spec.get("slow_rank") else None
     metrics = llm.get_metrics()
 
     def counter(name: str) -> float:
@@ -118,6 +123,7 @@ def main(spec_path: str, out_path: str) -> None:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
                    "proposals": proposals, "chunk_faults": chunk_faults,
                    "planned_depths": planned,
+                   "plans": plans[0] if plans and spec.get("record_plans") else None,
                    "preemptions": counter("vllm:num_preemptions"),
                    "prefix_cache_hits": counter("vllm:prefix_cache_hits"),
                    "spec_decode": {

@@ -132,16 +132,21 @@ def test_adaptive_budget_turns_off_useless_speculation(target_dir, random_drafte
                                                        engine_dir):
     """A random drafter is never worth verifying: the adaptive budget (on by
     default) must stop speculating after its cost model has seen that, except for
-    occasional probes — and the output stays identical."""
+    occasional probes — and the output stays identical. Its decisions are
+    recorded: over the second half of the run, every step that drafted was a
+    probe, and probes were a minority of the steps."""
     prompts, expected, _ = reference
     spec = {"engine": base_engine(target_dir, speculative_config={
                 "method": "eagle3_tree", "model": str(random_drafter), "num_nodes": 16,
                 "depth": 6, "top_k": 4}),
-            "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}}
+            "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
+            "record_plans": True}
     out = run_engine(spec, engine_dir, "greedy_tree_adaptive")
     assert_identical(out["outputs"], expected)
-    emitted = sum(len(o[0]) for o in out["outputs"])
-    assert out["tree"]["trees"] < 0.25 * emitted, out["tree"]
+    late = out["plans"][len(out["plans"]) // 2:]
+    assert len(late) > 20, out["plans"]
+    assert [p for p in late if p[1] > 0 and not p[2]] == [], late  # drafted, not a probe
+    assert sum(p[2] for p in late) < 0.25 * len(late), late
 
 
 def test_one_token_requests_joining_a_decode_batch(target_dir, random_drafter, tokenizer,

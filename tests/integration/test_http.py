@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP through `vllm-treespec serve` with eagle3_tree.
 
 Two servers on 127.0.0.1, same flags: plain vLLM first (reference answers),
-then eagle3_tree with the shipped drafter and a branching tree on every step.
+then eagle3_tree with the shipped drafter, a branching tree on every step and
+copy branches (hybrid trees: continuations copied from the request's own
+history, verified beside the drafter's nodes).
 Driven by the official `openai` client: chat and completions, streaming, n>1,
 stop strings, logprobs, concurrent requests, and a client that disconnects
 mid-stream.
@@ -31,6 +33,8 @@ QUESTIONS = [
     "List the planets of the solar system.",
     "How do I make a cup of tea?",
     "What is 17 times 23?",
+    # Copy branches' answer: it copies the prompt, tokens a drafter cannot guess.
+    "Repeat exactly, twice: 7 kiwi 93 lamp 41 zebra 18 cloud 62 piano 5 fjord 80 quill",
 ]
 MAX_TOKENS = 64
 
@@ -85,7 +89,7 @@ def servers(target_dir, tmp_path_factory):
     # go through multi-token tree steps (a random drafter accepts nothing, and
     # the adaptive budget would switch it off).
     spec = {"method": "eagle3_tree", "model": str(committed_drafter_dir()), "num_nodes": 12,
-            "depth": 4, "top_k": 4, "adaptive": False}
+            "depth": 4, "top_k": 4, "adaptive": False, "copy_branches": 2, "copy_length": 6}
     tree = start(target_dir, logs / "tree.log", spec)
     yield reference, tree
     tree.close()
@@ -112,20 +116,86 @@ def test_streaming_equals_non_streaming(servers):
         assert text == expected
 
 
+TOP_K = 5  # the n > 1 samples' top-k: every sampled token must rank within it
+
+
+def target_rows(client, prompt: list[int], answer: list[int], k: int) -> list[dict]:
+    """The target's own next-token log-probabilities at each token of ``answer``
+    after ``prompt``: one prefill of prompt + answer with vLLM's prompt logprobs
+    (a plain forward, no tree involved), as {token id: {"logprob", "rank"}} per
+    answer token, holding its top ``k`` and the answer's token."""
+    resp = client.completions.create(model="smollm2", prompt=prompt + answer, max_tokens=1,
+                                     temperature=0.0, extra_body={"prompt_logprobs": k})
+    rows = resp.choices[0].prompt_logprobs[len(prompt):]
+    assert len(rows) == len(answer)
+    return [{int(t): v for t, v in row.items()} for row in rows]
+
+
+def sample_chat(client, question, n, seed, top_k):
+    resp = chat(client, question, max_tokens=24, temperature=1.0, n=n, seed=seed,
+                extra_body={"top_k": top_k, "return_token_ids": True})
+    return resp.prompt_token_ids, [c.token_ids for c in resp.choices]
+
+
 def test_n_greater_than_one_at_temperature(servers):
+    """n seeded samples through tree steps. vLLM gives the i-th of n the seed
+    seed + i (``parallel_sampling``), and a seeded request's text depends on its
+    seed alone (docs/sampling.md), so each answer must be the one a request
+    with that seed gets on its own; and each is a sample of the request's
+    distribution: every token ranks within its top-k under the target (a plain
+    prefill of prompt + answer recomputes the ranks). The same samples without
+    top-k leave it (negative control: the rank check can fail)."""
     _, tree = servers
-    resp = tree.client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[3]}],
-        max_tokens=24, temperature=1.0, n=4, seed=7)
-    assert len(resp.choices) == 4
-    assert all(c.message.content for c in resp.choices)
-    assert len({c.message.content for c in resp.choices}) > 1
-    # A seeded request reproduces, trees and off steps alike (the noise of every
-    # position is keyed by seed and position; see test_seeded).
-    again = tree.client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": QUESTIONS[3]}],
-        max_tokens=24, temperature=1.0, n=4, seed=7)
-    assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
+    prompt, answers = sample_chat(tree.client, QUESTIONS[3], n=4, seed=7, top_k=TOP_K)
+    assert len(answers) == 4 and all(answers)
+    assert len({tuple(a) for a in answers}) > 1
+    alone = [sample_chat(tree.client, QUESTIONS[3], n=1, seed=7 + i, top_k=TOP_K)[1][0]
+             for i in range(4)]
+    assert answers == alone
+    ranks = [[row[t]["rank"] for t, row in zip(a, target_rows(tree.client, prompt, a, 1))]
+             for a in answers]
+    assert max(map(max, ranks)) <= TOP_K, ranks
+    _, free = sample_chat(tree.client, QUESTIONS[3], n=4, seed=7, top_k=0)  # 0: none
+    free_ranks = [row[t]["rank"] for a in free
+                  for t, row in zip(a, target_rows(tree.client, prompt, a, 1))]
+    assert max(free_ranks) > TOP_K, free_ranks
+
+
+def test_logprobs_of_sampled_tokens_are_the_targets(servers):
+    """Logprobs at T > 0 through tree steps whose drafts are accepted: each
+    returned token's logprob (vLLM's default raw logprobs: the target's
+    log-softmax, before temperature) and its top-3 list are the target's own at that
+    position, as a plain prefill of prompt + answer computes them. Sampled
+    tokens below the argmax and a comparison one position off show that the
+    check tells the rows of a tree's nodes apart."""
+    _, tree = servers
+    before = tree.metrics()
+    # T 0.8: raw logprobs are those before temperature, a scaled row would differ.
+    resp = chat(tree.client, QUESTIONS[4], max_tokens=48, temperature=0.8, seed=3,
+                logprobs=True, top_logprobs=3,
+                extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    accepted = metric_sum(tree.metrics(), "vllm:spec_decode_num_accepted_tokens_total") \
+        - metric_sum(before, "vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted > 0  # tree steps emitted drafts, each with its node's logprobs
+    choice = resp.choices[0]
+    answer, content = choice.token_ids, choice.logprobs.content
+    assert [int(c.token.removeprefix("token_id:")) for c in content] == answer
+    rows = target_rows(tree.client, resp.prompt_token_ids, answer, 5)
+    got = [c.logprob for c in content]
+    want = [row[t]["logprob"] for t, row in zip(answer, rows)]
+    assert got == pytest.approx(want, abs=1e-3)
+    # vLLM lists a position's first top_logprobs entries, the sampled token's
+    # first: the sampled token, then the best others. Each listed logprob is the
+    # prefill's, and so are the three values (two near-tied tokens may swap).
+    for tok, c, row in zip(answer, content, rows):
+        top = {int(x.token.removeprefix("token_id:")): x.logprob for x in c.top_logprobs}
+        assert tok in top and all(t in row for t in top), (tok, top, row)
+        assert list(top.values()) == pytest.approx([row[t]["logprob"] for t in top], abs=1e-3)
+        others = sorted((t for t in row if t != tok), key=lambda t: row[t]["rank"])
+        best = sorted((row[t]["logprob"] for t in [tok] + others[:2]), reverse=True)
+        assert sorted(top.values(), reverse=True) == pytest.approx(best, abs=1e-3)
+    assert any(row[t]["rank"] > 1 for t, row in zip(answer, rows))  # sampled, not greedy
+    assert got[1:] != pytest.approx(want[:-1], abs=1e-3)  # one row off differs
 
 
 def test_concurrent_requests(servers):
@@ -150,21 +220,50 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(servers):
     assert tree.proc.poll() is None
 
 
+# Requests of this module that the frontend aborts while they run: the stop-string
+# answer in ``collect`` and the stream the disconnect test drops.
+ABORTED_REQUESTS = 2
+
+
 def test_tree_metrics_on_prometheus_endpoint(servers):
     _, tree = servers
-    chat(tree.client, QUESTIONS[1])
+    before = tree.metrics()
+    chat(tree.client, QUESTIONS[-1])
     m = tree.metrics()  # no wait: the counters came with the answer's last step
-    trees = metric_sum(m, "vllm_treespec:trees_total")
+
+    def delta(name):
+        return metric_sum(m, name) - metric_sum(before, name)
+
+    def by_source(source):
+        key = 'vllm_treespec:accepted_tokens_total{'
+        return sum(v - before.get(k, 0.0) for k, v in m.items()
+                   if k.startswith(key) and f'source="{source}"' in k)
+
+    # A repetitive answer: its copy branches were accepted, and every accepted
+    # draft is counted under exactly one source.
+    assert by_source("copy") > 0, m
+    assert by_source("drafter") + by_source("copy") + by_source("both") == delta(
+        "vllm:spec_decode_num_accepted_tokens_total"), m
+
+    # Over one request that the engine finishes itself (length or EOS), vLLM's
+    # scheduler counts every tree the worker verified, as a draft (the budget is
+    # off: every draft is a verified node), and each emitted token once, both
+    # from the same steps' stats.
+    trees = delta("vllm_treespec:trees_total")
     assert trees > 0, m
-    # At least vLLM's own counts (the budget is off: every draft is a verified
-    # node); more by the trees of a step whose request the disconnect test
-    # aborted before vLLM's scheduler took the step's results (vLLM skips those).
+    assert trees == delta("vllm:spec_decode_num_drafts_total"), m
+    assert delta("vllm_treespec:draft_nodes_total") == delta(
+        "vllm:spec_decode_num_draft_tokens_total"), m
+    assert delta("vllm_treespec:emitted_tokens_total") == trees + delta(
+        "vllm:spec_decode_num_accepted_tokens_total"), m
+    # Since startup, vLLM counts fewer only by the requests aborted during a step
+    # (it drops their results; one step each at most): aborts are applied before
+    # a step's results are taken, and never between them and the next schedule's.
     # With one API server, vLLM's logging stat logger ran on the same steps'
     # stats after the tree logger took its payload out.
-    drafts = metric_sum(m, "vllm:spec_decode_num_drafts_total")
-    assert drafts <= trees <= drafts + 8, (trees, drafts)  # 8: one step's batch at most
-    assert metric_sum(m, "vllm_treespec:draft_nodes_total") >= metric_sum(
-        m, "vllm:spec_decode_num_draft_tokens_total")
+    lost = metric_sum(m, "vllm_treespec:trees_total") - metric_sum(
+        m, "vllm:spec_decode_num_drafts_total")
+    assert 0 <= lost <= ABORTED_REQUESTS, m
     # Trees accepted drafts (test_greedy_answers_equal_plain_vllm and the rest
     # then checked multi-token steps, not just bonus tokens).
     assert metric_sum(m, "vllm_treespec:mean_acceptance_length") >= 1.3, m

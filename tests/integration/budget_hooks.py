@@ -1,0 +1,51 @@
+"""collective_rpc targets that watch (or skew) the adaptive budget in a test engine."""
+
+from __future__ import annotations
+
+import types
+
+
+def record_plans(worker) -> bool:
+    """collective_rpc target: record, at every drafting decision of this rank's
+    adaptive budget, the batch size, the depth it planned (0: speculation off)
+    and whether the step was a probe (``recorded_plans``)."""
+    runner = worker.model_runner
+    policy = runner.tree_policy
+    plans = runner._recorded_plans = []
+    original = policy.plan_depth
+
+    def plan_depth(batch):
+        depth = original(batch)
+        plans.append((batch, depth, bool(policy.probing)))
+        return depth
+
+    policy.plan_depth = plan_depth
+    return True
+
+
+def recorded_plans(worker) -> list[tuple[int, int, bool]]:
+    """collective_rpc target: (batch, planned depth, probe) per decision, as
+    ``record_plans`` recorded them."""
+    return list(getattr(worker.model_runner, "_recorded_plans", []))
+
+
+def slow_clock(worker, rank: int, factor: float) -> bool:
+    """collective_rpc target: on tensor-parallel ``rank``, every timing the tree
+    runner, drafter and calibrations take runs ``factor`` times slow (as on a rank
+    whose core is busy); every rank records its plans (``record_plans``)."""
+    import time as real_time
+
+    from vllm.distributed import get_tp_group
+
+    from vllm_treespec.vllm_glue import calibration, cpu_linear, proposer, runner
+
+    worker_rank = get_tp_group().rank_in_group
+    if worker_rank == rank:
+        start = real_time.perf_counter()
+        clock = types.SimpleNamespace(
+            perf_counter=lambda: start + factor * (real_time.perf_counter() - start),
+            monotonic=real_time.monotonic, sleep=real_time.sleep, time=real_time.time)
+        for module in (calibration, cpu_linear, proposer, runner):
+            module.time = clock
+    record_plans(worker)
+    return worker_rank == rank
