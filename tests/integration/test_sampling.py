@@ -178,3 +178,57 @@ def test_harness_detects_unnormalised_siblings(samples, target_dir, random_draft
     assert metrics["per_depth_acceptance"][1] > 0.05, metrics  # trees were really used
     p = next_token_homogeneity_pvalue(plain[1], biased[0])
     assert p < ALPHA, f"the unnormalised-siblings rule passed the next-token test (p={p:.2e})"
+
+
+# Hybrid trees: a second turn that asks the model to repeat its first answer, so
+# the copy source proposes that answer (from the request's own prompt) beside the
+# shipped drafter's nodes, siblings from both sources under one node.
+HYBRID_CHAT = [{"role": "user", "content": "Name one fruit and say one thing about it."},
+               {"role": "assistant", "content": "Mango. It is sweet and juicy."},
+               {"role": "user", "content": "Say that again, word for word."}]
+HYBRID_TREE = dict(TREE, copy_branches=2, copy_length=3)
+N_HYBRID = 500
+
+
+@pytest.fixture(scope="module")
+def hybrid_prompt(tokenizer):
+    text = tokenizer.apply_chat_template(HYBRID_CHAT, add_generation_prompt=True, tokenize=False)
+    return [tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def hybrid_plain(target_dir, hybrid_prompt, engine_dir):
+    plain, _ = draw(target_dir, hybrid_prompt, SETTINGS[:1], N_HYBRID, engine_dir,
+                    "hybrid_plain", seed=7)
+    return plain
+
+
+def test_hybrid_trees_sample_what_plain_sampling_does(target_dir, hybrid_prompt, hybrid_plain,
+                                                      engine_dir):
+    """Copy branches are point-mass proposals like the drafter's top-k children,
+    so the same rule keeps them exact (docs/sampling.md): the tree's draws pass
+    both homogeneity tests against plain vLLM's, and copies and drafts were both
+    accepted."""
+    from vllm_treespec.assets import committed_drafter_dir
+
+    tree, metrics = draw(target_dir, hybrid_prompt, SETTINGS[:1], N_HYBRID, engine_dir,
+                         "hybrid_tree", seed=8, speculative_config=dict(
+                             HYBRID_TREE, model=str(committed_drafter_dir())))
+    a, b = hybrid_plain[0], tree[0]
+    assert homogeneity_pvalue(a, b) > ALPHA
+    assert next_token_homogeneity_pvalue(a, b) > ALPHA
+    assert metrics["copy_accepted"] + metrics["shared_accepted"] > 0, metrics
+    assert metrics["mean_accept_len"] > 1.3, metrics
+
+
+def test_harness_detects_a_biased_rule_on_hybrid_trees(target_dir, hybrid_prompt, hybrid_plain,
+                                                       engine_dir):
+    """Negative control: greedy acceptance at T > 0 on the same hybrid trees fails."""
+    from vllm_treespec.assets import committed_drafter_dir
+
+    biased, metrics = draw(target_dir, hybrid_prompt, SETTINGS[:1], N_CONTROL, engine_dir,
+                           "hybrid_biased", seed=9, speculative_config=dict(
+                               HYBRID_TREE, model=str(committed_drafter_dir())),
+                           break_stochastic=True)
+    assert metrics["copy_accepted"] + metrics["shared_accepted"] > 0, metrics
+    assert homogeneity_pvalue(hybrid_plain[0], biased[0]) < 1e-6
