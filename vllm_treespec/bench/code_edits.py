@@ -41,10 +41,11 @@ def request(edit: str, problem: dict) -> tuple[str, str] | None:
     if edit == "rename":
         return edit, (f"Rename the function `{entry}` to `{camel(entry)}` and update every "
                       f"use of the name. Reply with the whole code.\n\n{fence}")
-    if edit == "fix":
-        broken = plant_bug(code)
-        if broken is None:
+    if edit == "fix":  # in the body, not the docstring's examples
+        body = plant_bug(problem["canonical_solution"].rstrip())
+        if body is None:
             return None
+        broken = problem["prompt"].strip("\n") + "\n" + body + "\n"
         return edit, ("This function has a bug. Fix it and reply with the whole corrected "
                       f"function.\n\n```python\n{broken}```")
     if edit == "comment":

@@ -1,0 +1,33 @@
+"""The code-editing benchmark suite (bench/code_edits.py): every turn carries a
+whole function to copy back, with one edit, and any prefix keeps the mix."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from vllm_treespec.bench import code_edits
+from vllm_treespec.bench.pangu240 import humaneval_problems
+
+
+def test_turns_carry_the_whole_function_and_rotate_the_edits():
+    turns = code_edits.code_edit_turns(40)
+    assert len(turns) == 40 and len({t.turn_id for t in turns}) == 40
+    assert set(Counter(t.turn_id.split("/")[-1] for t in turns[:8])) == set(code_edits.EDITS)
+    problems = {p["task_id"].split("/")[-1]: p for p in humaneval_problems(40)}
+    for t in turns:
+        number, edit = t.turn_id.split("/")[1:]
+        text = t.messages[0]["content"]
+        body = problems[number]["canonical_solution"].rstrip()
+        if edit == "fix":  # the planted bug is in the code sent, not the solution
+            assert body not in text and code_edits.plant_bug(body) in text
+        else:
+            assert body in text
+
+
+def test_a_planted_bug_changes_one_operator():
+    assert code_edits.plant_bug("    return a < b and c < d\n") == "    return a <= b and c < d\n"
+    assert code_edits.plant_bug("    pass\n") is None
+    with pytest.raises(ValueError, match="unknown edit 'x'"):
+        code_edits.request("x", humaneval_problems(1)[0])
