@@ -103,12 +103,13 @@ class CopySource:
         g = graft(tokens, parents, copies, len(tokens) + sum(lengths), max_children, lengths)
         drafted = iter(probs)
         new_probs = [next(drafted) if s & EAGLE else 0.0 for s in g.sources]
-        values = [min(drafter_scale * p, 1.0) for p in new_probs]
-        for c, nodes in zip(copies, g.branches):
-            for node, q in zip(nodes, self.estimates.estimates(c.match, len(nodes))):
-                values[node - 1] = max(values[node - 1], float(q))
-        g, kept = prune(g, values, max_nodes)
-        new_probs = [new_probs[i - 1] for i in kept]
+        if len(g.tokens) > max_nodes:  # the common case has room: nothing to rank
+            values = [min(drafter_scale * p, 1.0) for p in new_probs]
+            for c, nodes in zip(copies, g.branches):
+                for node, q in zip(nodes, self.estimates.estimates(c.match, len(nodes))):
+                    values[node - 1] = max(values[node - 1], float(q))
+            g, kept = prune(g, values, max_nodes)
+            new_probs = [new_probs[i - 1] for i in kept]
         return (g.tokens, g.parents, new_probs, g.sources,
                 [(c.match, nodes) for c, nodes in zip(copies, g.branches)])
 
