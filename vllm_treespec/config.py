@@ -34,6 +34,11 @@ DRAFT_MODES = ("sequential", "parallel")
 DEPTH_WEIGHT_RANGE = (0.25, 4.0)
 COPY_BRANCHES_RANGE = (0, 8)
 COPY_LENGTH_RANGE = (1, 32)
+# Copy branches are on unless a static tree is asked for (its topology is fixed);
+# a branch is at most COPY_LENGTH_DEFAULT tokens, and never more than the tree's
+# node budget.
+COPY_BRANCHES_DEFAULT = 2
+COPY_LENGTH_DEFAULT = 8
 
 
 class TreeSpecConfigError(ValueError):
@@ -144,9 +149,11 @@ class TreeSpecConfig(BaseModel):
     copy_branches: up to this many copy branches a request per step besides
         the drafter's (``tree.copy_drafts``): the continuations that followed
         the request's last tokens where they occurred before in its prompt or
-        output, verified in the same tree; 0 turns copies off.
+        output, verified in the same tree; 0 turns copies off. Default 2, and
+        0 with ``choices``.
     copy_length: tokens of a copy branch at most (the adaptive budget keeps
         the part whose live acceptance estimate pays for its verification).
+        Default 8, or ``num_nodes`` if that is smaller.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -162,8 +169,10 @@ class TreeSpecConfig(BaseModel):
     adaptive: StrictBool = True
     draft: Literal[DRAFT_MODES] = "sequential"  # type: ignore[valid-type]
     depth_weight: float = Field(1.0, ge=DEPTH_WEIGHT_RANGE[0], le=DEPTH_WEIGHT_RANGE[1])
-    copy_branches: StrictInt = Field(0, ge=COPY_BRANCHES_RANGE[0], le=COPY_BRANCHES_RANGE[1])
-    copy_length: StrictInt = Field(8, ge=COPY_LENGTH_RANGE[0], le=COPY_LENGTH_RANGE[1])
+    copy_branches: StrictInt = Field(COPY_BRANCHES_DEFAULT, ge=COPY_BRANCHES_RANGE[0],
+                                     le=COPY_BRANCHES_RANGE[1])
+    copy_length: StrictInt = Field(COPY_LENGTH_DEFAULT, ge=COPY_LENGTH_RANGE[0],
+                                   le=COPY_LENGTH_RANGE[1])
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.
@@ -171,6 +180,21 @@ class TreeSpecConfig(BaseModel):
             super().__init__(**data)
         except ValidationError as e:
             raise _from_validation(e) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _copy_defaults(cls, data: Any) -> Any:
+        # Defaults that depend on other keys; a key given explicitly is kept as
+        # given (and validated below).
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("choices") is not None:
+            data.setdefault("copy_branches", 0)
+        num_nodes = data.get("num_nodes", cls.model_fields["num_nodes"].default)
+        if isinstance(num_nodes, int) and not isinstance(num_nodes, bool) and num_nodes >= 1:
+            data.setdefault("copy_length", min(COPY_LENGTH_DEFAULT, num_nodes))
+        return data
 
     @field_validator("depth_weight", mode="before")
     @classmethod

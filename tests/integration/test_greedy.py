@@ -82,6 +82,42 @@ def test_greedy_tree_equals_plain_decoding(batch, target_dir, random_drafter, re
         assert out["prefix_cache_hits"] > 0, "prefix cache never hit"
 
 
+def test_greedy_trees_of_the_real_builder_on_the_shipped_head(target_dir, reference,
+                                                              engine_dir):
+    """The tests above verify the oracle's trees. Here the tree builder's own,
+    drafted by the shipped head (no oracle, copies off): the same text as plain
+    decoding, every scheduled tree the proposed one, drafts accepted, and
+    accepted paths that leave the top-ranked chain -- tokens only a tree could
+    have verified."""
+    from vllm_treespec.assets import committed_drafter_dir
+
+    prompts, expected, _ = reference
+    prompts, expected = prompts[:12], expected[:12]
+    trace = engine_dir / "greedy_shipped_head_trace"
+    cfg = dict(TREE, model=str(committed_drafter_dir()), copy_branches=0,
+               trace_dir=str(trace))
+    out = run_engine({"engine": base_engine(target_dir, speculative_config=cfg,
+                                            max_num_seqs=4),
+                      "prompts": prompts,
+                      "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS}},
+                     engine_dir, "greedy_shipped_head")
+    assert_identical(out["outputs"], expected)
+    tree = out["tree"]
+    assert tree["unmatched_trees"] == 0 and tree["placeholder_drafts"] == 0, tree
+    assert tree["mean_tree_size"] == TREE["num_nodes"], tree  # adaptive off: full trees
+    assert tree["mean_accept_len"] >= 2.0, tree
+    verified = [r for f in trace.glob("steps-*.jsonl") for line in open(f)
+                for r in json.loads(line)["requests"]]
+    assert len(verified) == tree["trees"], (len(verified), tree)
+
+    def off_chain(r) -> bool:  # a node of the path with an elder sibling
+        parents = r["parents"]
+        return any(parents.index(parents[n]) != n for n in r["path"][1:])
+
+    branched = sum(map(off_chain, verified))
+    assert branched >= 0.05 * len(verified), (branched, len(verified))
+
+
 def test_greedy_chains_on_the_causal_kernel(target_dir, random_drafter, reference, engine_dir):
     """Steps whose trees are all chains skip tree attention (the CPU kernel is
     causal, and a chain's slots and positions are linear): still identical."""

@@ -5,6 +5,7 @@ the adaptive budget's chain mode at depth ``k`` from a wide tree configuration.
 Same drafter, same greedy requests one at a time: if every proposal is the same,
 vLLM's own spec-decode counters agree to the token: as many draft tokens, and as
 many accepted at each position (with the shipped drafter, hundreds of them).
+Copy branches are off (``copy_branches`` 0): stock ``eagle3`` has none.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ def test_one_wide_tree_drafts_what_stock_eagle3_drafts(target_dir, tokenizer, en
             ("stock", {"method": "eagle3", "model": drafter, "num_speculative_tokens": K},
              None),
             ("one_wide", {"method": "eagle3_tree", "model": drafter, "top_k": 1,
-                          "num_nodes": K, "depth": K, "adaptive": False}, None),
+                          "num_nodes": K, "depth": K, "adaptive": False, "copy_branches": 0}, None),
             # The adaptive budget held in chain mode at depth K, every step.
             ("chain_mode", {"method": "eagle3_tree", "model": drafter, "top_k": 4,
-                            "num_nodes": 8, "depth": K},
+                            "num_nodes": 8, "depth": K, "copy_branches": 0},
              {"off_steps": 0, "period": 1, "mode": "defer", "chain": True})):
         runs[name] = run_engine({"engine": base_engine(target_dir, speculative_config=spec,
                                                        max_num_seqs=1),

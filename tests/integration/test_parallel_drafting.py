@@ -34,9 +34,11 @@ def test_one_wide_parallel_tree_drafts_what_stock_parallel_drafting_drafts(
             ("stock", {"method": "eagle3", "model": model, "num_speculative_tokens": K,
                        "parallel_drafting": True}),
             ("one_wide", {"method": "eagle3_tree", "model": model, "draft": "parallel",
-                          "top_k": 1, "num_nodes": K, "depth": K, "adaptive": False}),
+                          "top_k": 1, "num_nodes": K, "depth": K, "adaptive": False,
+                          "copy_branches": 0}),
             ("tree", {"method": "eagle3_tree", "model": model, "draft": "parallel",
-                      "top_k": 4, "num_nodes": 8, "depth": K, "adaptive": False}),
+                      "top_k": 4, "num_nodes": 8, "depth": K, "adaptive": False,
+                      "copy_branches": 0}),
             ("adaptive", {"method": "eagle3_tree", "model": model, "draft": "parallel",
                           "depth": K})):
         # The three requests batched: slots of requests with different prefix lengths

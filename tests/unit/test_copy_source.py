@@ -68,6 +68,21 @@ def test_copy_keys_are_validated_by_name():
         TreeSpecConfig.from_dict({"choices": [[0], [1]], "copy_branches": 1})
 
 
+def test_copies_are_on_by_default_except_in_static_trees():
+    default = TreeSpecConfig()
+    assert (default.copy_branches, default.copy_length) == (2, 8)
+    assert TreeSpecConfig.from_dict({"choices": [[0], [1], [0, 0]]}).copy_branches == 0
+    # A small tree gets branches of its own size, not an error about a key not given.
+    small = TreeSpecConfig.from_dict({"num_nodes": 4, "depth": 2})
+    assert (small.copy_branches, small.copy_length) == (2, 4)
+    assert TreeSpecConfig.from_dict({"copy_branches": 0}).copy_branches == 0
+    # Given keys are kept as given, and still validated.
+    with pytest.raises(TreeSpecConfigError, match="'copy_length'.*num_nodes=4"):
+        TreeSpecConfig.from_dict({"num_nodes": 4, "depth": 2, "copy_length": 5})
+    with pytest.raises(TreeSpecConfigError, match="'num_nodes'.*True"):
+        TreeSpecConfig.from_dict({"num_nodes": True})
+
+
 def test_a_copy_displaces_unlikely_drafts_of_a_full_tree():
     """A drafted tree at the node budget leaves a copy no room (graft alone would
     drop it): ranked together, the copy's first tokens (prior estimates 0.5, 0.25)
