@@ -1,6 +1,8 @@
 """The adaptive budget's predictions against the steps they bought (in process).
 
-One ``eagle3_tree`` engine (defaults) decodes a few chat prompts one at a time.
+One batch-1 ``--method`` engine (``eagle3_tree`` with its defaults unless told)
+decodes a few chat prompts one at a time (four short ones, or with ``--pangu240``
+the first pangu240 first turns).
 Every ``plan_depth`` decision is recorded with the predicted throughput ratio
 of each depth as a tree and as a chain, and every step time the runner feeds
 the budget (``observe_step``). The report groups the plan-to-plan cycle (the
@@ -11,7 +13,16 @@ records what each plan's drafts then accepted (``observe_acceptance``) next to
 the gain the plan was bought for: an estimate biased upward picks trees where
 the chain wins.
 
+And the step-cost table against live steps (``step_costs``): per verified-token
+count N (and whether the step's trees branched), the median live step time next
+to the startup sweep's value at N (``vllm_glue/calibration.py``), with their
+difference and ratio: whether a live step is the sweep plus a fixed amount or the
+sweep times a factor decides how the table (``policy.StepCostTable``) follows live
+steps. Also the table after the run, the learned branching extra and the
+process's page faults and context switches per step.
+
     python benchmarks/budget_trace.py --prompts 3 --max-tokens 256 --out trace.json
+    python benchmarks/budget_trace.py --pangu240 --prompts 8 --out trace.json
 """
 
 from __future__ import annotations
@@ -20,8 +31,11 @@ import argparse
 import collections
 import json
 import os
+import resource
 import statistics
+import sys
 import time
+from pathlib import Path
 
 PROMPTS = ["Write a Python function that merges two sorted lists and explain it.",
            "Explain how a hash map works, with an example in Python.",
@@ -29,13 +43,24 @@ PROMPTS = ["Write a Python function that merges two sorted lists and explain it.
            "List the steps to bake bread at home."]
 
 
-def install(log: list):
-    """An in-process worker hook (the engine runs in this process) wrapping the budget."""
+def _table(policy) -> list[list[float]]:
+    return [list(policy.step_cost.n), list(policy.step_cost.t)]
+
+
+def _usage() -> list[int]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return [usage.ru_minflt, usage.ru_nivcsw]
+
+
+def install(log: list, state: dict):
+    """An in-process worker hook (the engine runs in this process) wrapping the
+    budget; ``state`` gets the startup sweep, and ``collect(state)`` the rest."""
     def hook(worker) -> bool:
         from vllm_treespec.tree.accept import Outcome
 
         runner = worker.model_runner
         policy = runner.tree_policy
+        state.update(sweep=_table(policy), usage0=_usage())
         plan_depth, observe_step = policy.plan_depth, policy.observe_step
         select, observe_acceptance = policy.select, policy.observe_acceptance
 
@@ -81,7 +106,17 @@ def install(log: list):
     return hook
 
 
-def report(log: list) -> dict:
+def collect(state: dict):
+    """A worker hook: the step-cost table and what it learned, after the run."""
+    def hook(worker) -> bool:
+        policy = worker.model_runner.tree_policy
+        state.update(table=_table(policy), branch_cost_s=policy.branch_cost,
+                     nodes_at=list(policy.nodes_at), usage1=_usage())
+        return True
+    return hook
+
+
+def report(log: list, state: dict | None = None) -> dict:
     plans = [e for e in log if e["kind"] == "plan"]
     steps = [e for e in log if e["kind"] == "step"]
     cycle, seen = collections.defaultdict(list), collections.defaultdict(list)
@@ -95,6 +130,7 @@ def report(log: list) -> dict:
                                 "observed_step_ms_median": statistics.median(seen[k])}
                             for k, v in sorted(cycle.items())},
             "acceptance_by_decision": realised(log),
+            "step_costs": step_costs(log, state) if state else None,
             "mid_run_plan": mid}
 
 
@@ -126,12 +162,46 @@ def realised(log: list) -> dict:
             for k, g in sorted(groups.items())}
 
 
+def step_costs(log: list, state: dict) -> dict:
+    """Live steps by verified tokens (chains and branching trees apart) against the
+    startup sweep at the same N; the table after the run."""
+    import numpy as np
+
+    sweep_n, sweep_t = state["sweep"]
+    groups: dict[tuple[int, bool], list[float]] = collections.defaultdict(list)
+    steps = [e for e in log if e["kind"] == "step"]
+    for e in steps:
+        groups[int(e["n"]), bool(e["branching"])].append(e["s"])
+    rows = []
+    for (n, branching), times in sorted(groups.items()):
+        live, swept = statistics.median(times), float(np.interp(n, sweep_n, sweep_t))
+        rows.append({"tokens": n, "branching": branching, "steps": len(times),
+                     "live_ms": round(1e3 * live, 2), "sweep_ms": round(1e3 * swept, 2),
+                     "difference_ms": round(1e3 * (live - swept), 2),
+                     "ratio": round(live / swept, 3)})
+    per_step = max(1, len(steps))
+    faults, switches = (b - a for a, b in zip(state["usage0"], state["usage1"]))
+    return {"rows": rows,
+            "sweep_ms": {int(n): round(1e3 * t, 2) for n, t in zip(sweep_n, sweep_t) if n <= 64},
+            "table_after_ms": {int(n): round(1e3 * t, 2)
+                               for n, t in zip(*state["table"]) if n <= 64},
+            "branch_cost_ms": round(1e3 * state["branch_cost_s"], 2),
+            "nodes_at": [round(x, 2) for x in state["nodes_at"]],
+            "minor_faults_per_step": round(faults / per_step, 1),
+            "involuntary_switches_per_step": round(switches / per_step, 1)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--method", default="eagle3_tree", help="an eagle3_tree method, as in bench")
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--pangu240", action="store_true",
+                    help="the first N pangu240 first turns instead of the short prompts")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", help="write the raw log and the report here (JSON)")
     args = ap.parse_args(argv)
+    if not args.pangu240 and args.prompts > len(PROMPTS):
+        ap.error(f"--prompts: {len(PROMPTS)} short prompts (or --pangu240)")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hook needs the worker here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm_treespec.commands.cpu_openmp import libiomp5
@@ -139,23 +209,30 @@ def main(argv=None) -> int:
     if "libiomp5" not in os.environ.get("LD_PRELOAD", "") and libiomp5() is not None:
         print(f"[budget_trace] note: start with LD_PRELOAD={libiomp5()} to time what "
               f"`vllm-treespec serve` runs (the loader reads it at process start)")
-    from vllm import LLM, SamplingParams
+    sys.path.insert(0, str(Path(__file__).parent))
+    from interleaved_ab import batch1_engine, chat_prompts  # the same engine as the A/B
+    from vllm import SamplingParams
 
-    from vllm_treespec.assets import ensure_assets
+    from vllm_treespec.bench import pangu240
 
-    assets = ensure_assets()
-    llm = LLM(model=str(assets.target), dtype="float32", max_model_len=4096, max_num_seqs=1,
-              enable_prefix_caching=False,
-              speculative_config={"method": "eagle3_tree", "model": str(assets.drafter)})
+    llm = batch1_engine(args.method)
     log: list = []
-    llm.collective_rpc(install(log))
+    state: dict = {}
+    llm.collective_rpc(install(log, state))
     tok = llm.get_tokenizer()
-    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    for text in PROMPTS[:args.prompts]:
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+    if args.pangu240:
+        texts = chat_prompts(tok, pangu240.first_turns(args.prompts))
+    else:
+        texts = [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
-        llm.generate([prompt], sampling, use_tqdm=False)
-    result = report(log)
+                 for text in PROMPTS[:args.prompts]]
+    sampling = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    tokens, t0 = 0, time.perf_counter()
+    for text in texts:
+        tokens += len(llm.generate([text], sampling, use_tqdm=False)[0].outputs[0].token_ids)
+    seconds = time.perf_counter() - t0
+    llm.collective_rpc(collect(state))
+    result = {"method": args.method, "tok_s": round(tokens / seconds, 2), **report(log, state)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"report": result, "log": log}, f)

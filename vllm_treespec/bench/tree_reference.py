@@ -4,8 +4,8 @@ The serving path (``vllm_glue.tree_sampler``, ``tree.accept``) asks for the
 distribution or the sample of only the nodes an acceptance walk reaches. The
 functions here compute them for every node of every tree up front: the
 reference the on-demand forms are tested against (they must accept the same
-tokens) and the "before" side of the cost benchmarks
-(``benchmarks/tree_sampling_cost.py``, ``tree_penalties_cost.py``). Nothing in
+tokens) and the "before" side of the cost benchmark
+(``benchmarks/tree_step_costs.py``). Nothing in
 the serving path imports this module.
 """
 
