@@ -144,7 +144,7 @@ class TreeSpecConfig(BaseModel):
         probability times ``depth_weight`` per level.
         1 is EAGLE-2's rule; a little above 1 (1.2) favours deeper nodes, which
         accept more than their draft probability says (``benchmarks/
-        selection_replay.py``). The adaptive budget still sizes trees from the
+        trace_replay.py selection``). The adaptive budget still sizes trees from the
         draft probabilities.
     copy_branches: up to this many copy branches a request per step besides
         the drafter's (``tree.copy_drafts``): the continuations that followed

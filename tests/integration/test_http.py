@@ -267,6 +267,12 @@ def test_tree_metrics_on_prometheus_endpoint(servers):
     # Trees accepted drafts (test_greedy_answers_equal_plain_vllm and the rest
     # then checked multi-token steps, not just bonus tokens).
     assert metric_sum(m, "vllm_treespec:mean_acceptance_length") >= 1.3, m
+    # every fallback the worker warns of names a series that exists
+    from vllm_treespec.vllm_glue.metrics import FALLBACKS
+
+    missing = [k for k in FALLBACKS if f"vllm_treespec:{k}_total" not in
+               {name.partition("{")[0] for name in m}]
+    assert not missing, missing
     assert any(k.startswith("vllm_treespec:stage_seconds_total{") and 'stage="verify_forward"' in k
                for k in m)
     # vLLM's logging stat logger really ran on those steps (it would fail on a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -36,6 +37,33 @@ def test_a_continuation_that_extends_a_kept_one_replaces_it():
     history = [3, 4, 5, 6, 0, 3, 4, 5, 3, 4]
     found = copy_continuations(history, max_ngram=2, min_ngram=2, length=2, max_branches=2)
     assert found == [CopyDraft((5, 3), 2), CopyDraft((5, 6), 2)]
+
+
+def sliding_window_continuations(h, max_ngram, min_ngram, length, max_branches):
+    """The search spelled out: every n-token window compared with the last n."""
+    h = np.asarray(h, dtype=np.int64)
+    out = []
+    for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
+        for s in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
+            cont = tuple(int(t) for t in h[s + n: s + n + length])
+            if any(k.tokens[:len(cont)] == cont for k in out):
+                continue
+            out = [k for k in out if cont[:len(k.tokens)] != k.tokens]
+            out.append(CopyDraft(cont, n))
+            if len(out) == max_branches:
+                return out
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 5), st.integers(1, 5),
+       st.integers(1, 6), st.integers(1, 4))
+def test_the_search_finds_what_every_window_compared_finds(h, a, b, length, branches):
+    # A 4-token alphabet: histories full of repeats, overlapping and nested matches.
+    lo, hi = min(a, b), max(a, b)
+    assert copy_continuations(h, hi, lo, length, branches) == \
+        sliding_window_continuations(h, hi, lo, length, branches)
 
 
 def test_bad_ngram_bounds_are_refused_by_name():

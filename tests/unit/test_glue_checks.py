@@ -202,7 +202,7 @@ def test_drafts_verified_as_chains_are_counted_and_warned_of_once(warnings):
 def test_the_stat_logger_exports_the_fallback_counters():
     pytest.importorskip("vllm")
     from vllm_treespec.vllm_glue import stat_logger
-    from vllm_treespec.vllm_glue.metrics import Totals
+    from vllm_treespec.vllm_glue.metrics import FALLBACKS, Totals
 
     logger = stat_logger.TreeStatLogger.__new__(stat_logger.TreeStatLogger)
     counts = {}
@@ -220,14 +220,17 @@ def test_the_stat_logger_exports_the_fallback_counters():
         def set(self, _):
             pass
 
-    for attr in ("trees", "nodes", "emitted", "faults", "unmatched", "placeholders",
-                 "at_depth", "stage", "mean_len", "mean_size", "by_source"):
+    for attr in ("trees", "nodes", "emitted", "faults", "at_depth", "stage", "mean_len",
+                 "mean_size", "by_source"):
         setattr(logger, attr, Counter(attr))
+    logger.fallbacks = {key: Counter(key) for key in FALLBACKS}
     logger.labels = {}
     delta = dataclasses.asdict(Totals(trees=3, unmatched_trees=2, placeholder_drafts=5,
-                                      emitted=13, copy_accepted=4, shared_accepted=1))
+                                      copy_history_mismatches=7, emitted=13, copy_accepted=4,
+                                      shared_accepted=1))
     logger._add(delta, delta)
-    assert (counts["unmatched"], counts["placeholders"]) == (2, 5)
+    assert {k: counts[k] for k in FALLBACKS} == {
+        "unmatched_trees": 2, "placeholder_drafts": 5, "copy_history_mismatches": 7}
     # accepted drafts by source: 13 emitted - 3 bonus = 10 = 5 drafter + 4 copy + 1 both
     assert counts["by_source"] == 10
 

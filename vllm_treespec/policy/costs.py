@@ -69,7 +69,8 @@ class StepCostTable:
 
     The shift is additive, not a factor: the table's slope is the price of a
     verified token, and a factor would inflate it by the share of that per-step
-    work. In a batch-1 CPU engine (``benchmarks/step_costs.py``) chain steps took
+    work. In a batch-1 CPU engine (``benchmarks/budget_trace.py``,
+    its report's ``step_costs``) chain steps took
     the sweep's time plus a few milliseconds of their own work; read as a factor,
     that overprices every verified token, and more so at concurrency, where steps
     verify dozens of tokens (benchmarks/history/RESULTS-history.md, "The 2.56

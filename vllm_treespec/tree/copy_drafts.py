@@ -9,9 +9,11 @@ can verify several of them beside the drafter's branches in the same forward.
 ``copy_continuations`` finds them: for n from ``max_ngram`` down to
 ``min_ngram``, every earlier occurrence of the history's last n tokens, most
 recent first, gives the tokens after it; continuations that are a prefix of one
-already kept add nothing and are dropped. The search is a sliding-window compare
-in numpy (no Python loop over the context), bounded by the history's length times
-``max_ngram``.
+already kept add nothing and are dropped. The search runs every step for every
+request, finding something or not, so it makes one numpy compare over the
+history (the earlier occurrences of the last token) and extends only those
+candidates backwards, ``max_ngram`` tokens at most: no Python loop over the
+context, and no n-token window per position.
 
 ``graft`` merges them into a drafted tree (lists in BFS order, as the proposer
 hands trees over): a copy token that equals an existing child of its parent
@@ -45,13 +47,22 @@ def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: 
                          f"need 1 <= min_ngram <= max_ngram")
     h = np.asarray(history, dtype=np.int64)
     out: list[CopyDraft] = []
-    for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
-        # Windows that end before the last token: their continuation is known.
-        windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-        starts = np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]  # most recent first
-        for s in starts:
-            cont = tuple(int(t) for t in h[s + n: s + n + length])
-            if not cont or any(k.tokens[:len(cont)] == cont for k in out):
+    if len(h) < 2:
+        return out
+    # Earlier positions holding the last token (the ends of candidate matches;
+    # each has a known continuation), and how far each match reaches back.
+    ends = np.flatnonzero(h[:-1] == h[-1])
+    matched = np.ones(len(ends), dtype=np.int64)
+    for k in range(1, max_ngram):
+        live = (matched == k) & (ends >= k)
+        if not live.any():
+            break
+        matched[live] += h[ends[live] - k] == h[-1 - k]
+    ends, matched = ends[::-1], matched[::-1]  # most recent first
+    for n in range(max_ngram, min_ngram - 1, -1):
+        for e in ends[matched >= n]:
+            cont = tuple(int(t) for t in h[e + 1: e + 1 + length])
+            if any(k.tokens[:len(cont)] == cont for k in out):
                 continue
             out = [k for k in out if cont[:len(k.tokens)] != k.tokens]  # cont extends k
             out.append(CopyDraft(cont, n))

@@ -61,6 +61,7 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "draft_faults": t.get("draft_faults", 0),
         "unmatched_trees": t.get("unmatched_trees", 0),
         "placeholder_drafts": t.get("placeholder_drafts", 0),
+        "copy_history_mismatches": t.get("copy_history_mismatches", 0),
         "copy_accepted": t.get("copy_accepted", 0),
         "shared_accepted": t.get("shared_accepted", 0),
         "mean_accept_len": t["emitted"] / trees,

@@ -15,8 +15,10 @@ would see part of the steps). Series:
     vllm_treespec:emitted_tokens_total (accepted drafts + bonus),
     vllm_treespec:accepted_at_depth_total{depth}, vllm_treespec:stage_seconds_total{stage},
     vllm_treespec:draft_faults_total (drafting steps that raised; no drafts that step),
-    vllm_treespec:unmatched_trees_total (scheduled drafts not their proposed tree: chains),
-    vllm_treespec:placeholder_drafts_total (vLLM's -1 placeholders, verified as token 0),
+    vllm_treespec:KEY_total for each fallback KEY of ``metrics.FALLBACKS``:
+        unmatched_trees (scheduled drafts not their proposed tree: chains),
+        placeholder_drafts (vLLM's -1 placeholders, verified as token 0),
+        copy_history_mismatches (histories not ending at their root: no copies),
     vllm_treespec:accepted_tokens_total{source} (accepted drafts by who proposed them:
         "drafter", "copy", or "both" -- copy branches, ``copy_branches``),
     vllm_treespec:mean_acceptance_length, vllm_treespec:mean_tree_size (since start)
@@ -30,7 +32,7 @@ import prometheus_client
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_treespec.vllm_glue import stats_channel
-from vllm_treespec.vllm_glue.metrics import difference, format_summary, summarize
+from vllm_treespec.vllm_glue.metrics import FALLBACKS, difference, format_summary, summarize
 
 logger = logging.getLogger("vllm.treespec")
 _METRICS: dict[str, object] = {}
@@ -74,11 +76,9 @@ class TreeStatLogger(StatLoggerBase):
                               "Tokens emitted by tree steps (accepted drafts + bonus)")
         self.faults = series(C, "vllm_treespec:draft_faults",
                              "Drafting steps that raised and fell back to no drafts")
-        self.unmatched = series(C, "vllm_treespec:unmatched_trees",
-                                "Requests whose scheduled drafts were not their proposed "
-                                "tree, verified as chains")
-        self.placeholders = series(C, "vllm_treespec:placeholder_drafts",
-                                   "vLLM's -1 placeholder drafts, verified as token 0")
+        # Every fallback the worker counts (and warns of once) has its series.
+        self.fallbacks = {key: series(C, f"vllm_treespec:{key}", what[:1].upper() + what[1:])
+                          for key, what in FALLBACKS.items()}
         self.at_depth = series(C, "vllm_treespec:accepted_at_depth",
                                "Trees that accepted at least `depth` draft tokens", ["depth"])
         self.stage = series(C, "vllm_treespec:stage_seconds",
@@ -102,8 +102,8 @@ class TreeStatLogger(StatLoggerBase):
         self.nodes.inc(delta["nodes"])
         self.emitted.inc(delta["emitted"])
         self.faults.inc(delta["draft_faults"])
-        self.unmatched.inc(delta.get("unmatched_trees", 0))
-        self.placeholders.inc(delta.get("placeholder_drafts", 0))
+        for key, counter in self.fallbacks.items():
+            counter.inc(delta.get(key, 0))
         copied, shared = delta.get("copy_accepted", 0), delta.get("shared_accepted", 0)
         drafted = delta["emitted"] - delta["trees"] - copied - shared
         for source, n in (("drafter", drafted), ("copy", copied), ("both", shared)):
