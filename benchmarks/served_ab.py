@@ -49,7 +49,7 @@ import sys
 from pathlib import Path
 
 
-SUITES = ("pangu240", "code_edit", "mtbench2")
+SUITES = ("pangu240", "code_edit", "mtbench2", "creative")
 
 
 def suite_turns(suite: str, n: int) -> list:
@@ -60,6 +60,8 @@ def suite_turns(suite: str, n: int) -> list:
         return code_edits.code_edit_turns(n)
     if suite == "mtbench2":
         return [t for t in pangu240.build_turns() if t.depends_on is not None][:n]
+    if suite == "creative":
+        return pangu240.mtbench_first_turns(("writing", "roleplay"), n)
     return pangu240.first_turns(n)
 
 
@@ -93,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", default="none,eagle3:k=2,eagle3_tree")
     p.add_argument("--suite", default="pangu240", choices=SUITES,
                    help="pangu240: its first turns; code_edit: bench/code_edits.py; mtbench2: "
-                        "MT-Bench second turns, after the first method's own first answers")
+                        "MT-Bench second turns, after the first method's own first answers; "
+                        "creative: MT-Bench's writing and roleplay first turns")
     p.add_argument("--turns", type=int, default=16, help="turns of the suite")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)

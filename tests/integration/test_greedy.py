@@ -172,9 +172,11 @@ def test_adaptive_budget_turns_off_useless_speculation(target_dir, random_drafte
     recorded: over the second half of the run, every step that drafted was a
     probe, and probes were a minority of the steps."""
     prompts, expected, _ = reference
+    # Copies off: the subject is the drafter's speculation (copy branches are
+    # priced by their own estimates, and a random drafter's answers repeat).
     spec = {"engine": base_engine(target_dir, speculative_config={
                 "method": "eagle3_tree", "model": str(random_drafter), "num_nodes": 16,
-                "depth": 6, "top_k": 4}),
+                "depth": 6, "top_k": 4, "copy_branches": 0}),
             "prompts": prompts, "sampling": {"temperature": 0.0, "max_tokens": MAX_TOKENS},
             "record_plans": True}
     out = run_engine(spec, engine_dir, "greedy_tree_adaptive")
@@ -207,8 +209,10 @@ def test_one_token_requests_joining_a_decode_batch(target_dir, random_drafter, t
         spec = tree_spec(target_dir, random_drafter, prompts, ref_map, seed=6, max_num_seqs=3)
         if not oracle:
             del spec["oracle"]
+        # Copies off: a copy branch widens the children a node may have, and the
+        # oracle's over-wide trees would then be valid.
         spec["engine"]["speculative_config"].update(validate_invariants=True,
-                                                    trace_dir=str(trace))
+                                                    trace_dir=str(trace), copy_branches=0)
         spec["max_tokens_per_prompt"] = lengths
         out = run_engine(spec, engine_dir, f"one_token_{name}")
         assert_identical(out["outputs"], expected)

@@ -37,9 +37,10 @@ def test_a_request_near_max_model_len_costs_the_batch_no_junk_drafts(target_dir,
     # Within num_nodes of max_model_len from its first step on.
     long = (sum(chat_token_ids(tokenizer), []) * 4)[: MAX_LEN - 12]
     prompts = [long] + short
-    # A fixed tree drafts every step it can (the adaptive budget may rest at batch 3).
+    # A fixed tree drafts every step it can (the adaptive budget may rest at batch 3);
+    # no copy branches, which reach past DEPTH (the test reads the verified depth).
     tree = {"method": "eagle3_tree", "model": str(committed_drafter_dir()), "depth": DEPTH,
-            "num_nodes": 16, "top_k": 4, "adaptive": False}
+            "num_nodes": 16, "top_k": 4, "adaptive": False, "copy_branches": 0}
     plain = run(target_dir, prompts, engine_dir, "near_max_plain")
     ours = run(target_dir, prompts, engine_dir, "near_max_tree", tree)
     control = run(target_dir, prompts, engine_dir, "near_max_control", tree,

@@ -32,6 +32,14 @@ def test_first_turns_skip_turns_that_need_an_answer_and_keep_the_order():
     assert [t.turn_id for t in first] == [t.turn_id for t in every_first[:12]]
 
 
+def test_creative_turns_are_writing_and_roleplay_first_turns():
+    turns = pangu240.mtbench_first_turns(("writing", "roleplay"), 50)
+    assert len(turns) == 20  # MT-Bench: ten questions a category
+    categories = {q["question_id"]: q["category"] for q in pangu240.mtbench_questions()}
+    assert {categories[int(t.turn_id.split("/")[1])] for t in turns} == {"writing", "roleplay"}
+    assert all(len(t.messages) == 1 and t.depends_on is None for t in turns)
+
+
 def test_pangu240_has_240_interleaved_turns_and_second_turns_use_first_answers():
     turns = pangu240.build_turns()
     assert len(turns) == 240

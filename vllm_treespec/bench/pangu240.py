@@ -89,6 +89,14 @@ def first_turns(n: int) -> list[Turn]:
     return [t for t in build_turns(4 * n) if t.depends_on is None][:n]
 
 
+def mtbench_first_turns(categories: tuple[str, ...], n: int) -> list[Turn]:
+    """The first ``n`` MT-Bench first turns of the given categories (e.g. writing
+    and roleplay: new prose, little in the answer that repeats the prompt)."""
+    return [Turn(f"mtbench/{q['question_id']}/1", "mtbench",
+                 [{"role": "user", "content": q["turns"][0]}])
+            for q in mtbench_questions() if q["category"] in categories][:n]
+
+
 def materialize(turns: list[Turn], answer: Callable[[Turn], str],
                 known: dict[str, str] | None = None) -> list[Turn]:
     """Fill every second turn with the model's first answer (generated with
