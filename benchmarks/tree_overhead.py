@@ -3,7 +3,11 @@
 Times, per speculative step on the CPU: dynamic tree build (top-k expansion over
 the draft vocabulary at every depth + rerank) and tensorization, the tree mask and
 positions, acceptance (greedy and stochastic), and the KV compaction plan. Drafter
-and target outputs are generated up front: they are model costs, not ours.
+and target outputs are generated up front: they are model costs, not ours. Then
+the copy-branch search (``CopySource.find``), which runs on the host for every
+request every step, drafting or not: B requests with histories of each
+``--copy-history`` length, of random tokens (nothing to copy: the cost of finding
+nothing) and of a repeating text (every step finds its branches).
 
     python benchmarks/tree_overhead.py [--out benchmarks/out/tree_overhead.json]
 
@@ -75,6 +79,27 @@ def bench(B, M, top_k, depth, stochastic, reps, gen):
     return statistics.median(times), min(times)
 
 
+def copy_search_ms(B: int, length: int, repeating: bool, reps: int, gen) -> float:
+    import numpy as np
+
+    from vllm_treespec.vllm_glue.copy_source import CopySource
+
+    if repeating:  # a 50-token text over and over: matches everywhere
+        unit = torch.randint(0, TARGET_VOCAB, (50,), generator=gen)
+        ids = unit.repeat(B, length // 50 + 1)[:, :length]
+    else:
+        ids = torch.randint(0, TARGET_VOCAB, (B, length), generator=gen)
+    ids = ids.numpy().astype(np.int64)
+    num, roots = np.full(B, length), ids[:, -1].tolist()
+    source = CopySource(2, 8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        source.find(ids, num, roots)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", default="1,8,32,64")
@@ -83,6 +108,8 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--copy-history", default="400,4096",
+                    help="history lengths (tokens) for the copy-branch search")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out", "tree_overhead.json"))
     args = ap.parse_args()
     if args.threads:
@@ -100,8 +127,16 @@ def main() -> None:
                          "stochastic_ms_median": round(s_med, 3),
                          "stochastic_ms_min": round(s_min, 3)})
             print(f"{B:>4} {M:>4} {g_med:>10.3f} {s_med:>10.3f} {g_med / B:>12.3f}")
+    copy_rows = []
+    print(f"{'B':>4} {'history':>8} {'copy search ms (nothing / repeating)':>38}")
+    for B in [int(x) for x in args.batch.split(",")]:
+        for n in [int(x) for x in args.copy_history.split(",")]:
+            none, found = (copy_search_ms(B, n, rep, args.reps, gen) for rep in (False, True))
+            copy_rows.append({"batch": B, "history": n, "nothing_ms_median": round(none, 3),
+                              "repeating_ms_median": round(found, 3)})
+            print(f"{B:>4} {n:>8} {none:>18.3f} / {found:.3f}")
     out = {"benchmark": "tree_overhead", "draft_vocab": DRAFT_VOCAB,
-           "target_vocab": TARGET_VOCAB, "torch": torch.__version__,
+           "target_vocab": TARGET_VOCAB, "torch": torch.__version__, "copy_search": copy_rows,
            "threads": torch.get_num_threads(), "machine": platform.machine(),
            "processor": platform.processor(), "rows": rows}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
