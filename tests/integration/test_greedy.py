@@ -92,7 +92,7 @@ def test_greedy_trees_of_the_real_builder_on_the_shipped_head(target_dir, refere
     from vllm_treespec.assets import committed_drafter_dir
 
     prompts, expected, _ = reference
-    prompts, expected = prompts[:12], expected[:12]
+    prompts, expected = prompts[:8], expected[:8]
     trace = engine_dir / "greedy_shipped_head_trace"
     cfg = dict(TREE, model=str(committed_drafter_dir()), copy_branches=0,
                trace_dir=str(trace))
@@ -111,11 +111,11 @@ def test_greedy_trees_of_the_real_builder_on_the_shipped_head(target_dir, refere
     assert len(verified) == tree["trees"], (len(verified), tree)
 
     def off_chain(r) -> bool:  # a node of the path with an elder sibling
-        parents = r["parents"]
-        return any(parents.index(parents[n]) != n for n in r["path"][1:])
+        parents = r["parents"][1:]  # of nodes 1..M (the root's own entry is 0 too)
+        return any(parents.index(parents[n - 1]) != n - 1 for n in r["path"][1:])
 
     branched = sum(map(off_chain, verified))
-    assert branched >= 0.05 * len(verified), (branched, len(verified))
+    assert branched >= 0.1 * len(verified), (branched, len(verified))
 
 
 def test_greedy_chains_on_the_causal_kernel(target_dir, random_drafter, reference, engine_dir):

@@ -49,7 +49,9 @@ N_SUBTLE = 600   # the unnormalised-siblings control (measured: p = 3e-12)
 ALPHA = 1e-3     # a p-value below this fails the test
 LENGTH = 4       # tokens per sample
 TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adaptive": False}
-PARALLEL_TREE = dict(TREE, draft="parallel")
+# Copies off: the subject is parallel drafting (the hybrid tests below verify
+# copies at T > 0), and copies add to its time.
+PARALLEL_TREE = dict(TREE, draft="parallel", copy_branches=0)
 
 
 def draw(target_dir, prompts, settings, n, engine_dir, name, seed, engine=None, env=None,
