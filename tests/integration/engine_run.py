@@ -32,6 +32,7 @@ Each engine runs in a fresh process so tests never share vLLM global state.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -130,6 +131,22 @@ def main(spec_path: str, out_path: str) -> None:
                        "draft_tokens": counter("vllm:spec_decode_num_draft_tokens"),
                        "accepted_per_pos": vector(
                            "vllm:spec_decode_num_accepted_tokens_per_pos")}}, f)
+
+
+def run_forked(spec_path: str, out_path: str, log_path: str, env: dict, cwd: str) -> None:
+    """``main`` in a fork of conftest's engine server: the test's environment and working
+    directory, stdout and stderr into ``log_path``."""
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        main(spec_path, out_path)
+    finally:
+        atexit._run_exitfuncs()  # a fork ends in os._exit: vLLM's shutdown hooks run here
 
 
 if __name__ == "__main__":
