@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import multiprocessing
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -85,7 +84,9 @@ def run_engine(spec: dict, workdir: Path, name: str, extra_env: dict | None = No
         proc.join()
         raise AssertionError(f"engine run {name!r} ran over {ENGINE_TIMEOUT_S} s; see {log_path}")
     if proc.exitcode != 0:
-        tail = log_path.read_text()[-6000:]
+        # No log: the fork died before it opened one (the fork server's own errors go
+        # to this process's stderr).
+        tail = log_path.read_text()[-6000:] if log_path.exists() else "(no log)"
         raise AssertionError(f"engine run {name!r} failed (rc={proc.exitcode}):\n{tail}")
     return json.loads(out_path.read_text())
 
