@@ -40,7 +40,7 @@ SETTINGS = [
 ]
 # Samples per prompt per engine. A tree engine's verify steps at 128 requests are
 # compute-bound (each request verifies its whole tree), so N prices the suite: the
-# controls below show the tests still fail a biased rule at fewer draws than this.
+# controls below show the tests still fail a biased rule at no more draws than this.
 N = 600
 # Parallel drafting shares the acceptance rule with the test above; what differs is
 # how its trees are grown, and a wrong tree there is a gross error. Fewer draws keep
