@@ -10,7 +10,7 @@
 - Every ratio and bold figure the README quotes appears on benchmarks/RESULTS.md.
 - The README's tree-keys table matches docs/serving.md's and the config's fields.
 - README <= 250 lines, RESULTS <= 500 (issue 65).
-- Code comments and docstrings (vllm_treespec/, kernels/) carry no dated measurement, no
+- Code comments and docstrings (vllm_treespec/) carry no dated measurement, no
   measured figure and no machine name: measurements live in benchmarks/RESULTS.md and its
   history, cited by section title, and each title cited exists there.
 
@@ -320,7 +320,7 @@ def test_readme_and_results_stay_short():
 
 # ---- code comments ----------------------------------------------------------------------
 
-CODE = [*sorted((ROOT / "vllm_treespec").rglob("*.py")), *sorted((ROOT / "kernels").glob("*.py"))]
+CODE = sorted((ROOT / "vllm_treespec").rglob("*.py"))
 RESULTS_FILES = {"RESULTS.md": RESULTS,
                  "RESULTS-history.md": ROOT / "benchmarks" / "history" / "RESULTS-history.md"}
 # A citation of a results section: `RESULTS.md, "<heading>"`; a heading may name its date,

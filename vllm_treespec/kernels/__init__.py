@@ -1,4 +1,4 @@
-"""Our own device kernels, in Triton (installed as ``vllm_treespec.kernels``).
+"""Our own device kernels, in Triton.
 
 * :mod:`.tree_attention`: paged tree attention for verify steps (prefill,
   decode and tree rows in one launch), for CUDA GPUs and, through
