@@ -204,7 +204,7 @@ def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
 
 # T > 0 at TP = 2: two of test_sampling's prompts and settings (plain T = 1, and
 # nucleus), fewer draws (one core a rank), the same tests and thresholds.
-N_TP = 300
+N_TP = 200
 N_TP_CONTROL = 150
 TP2 = {"tensor_parallel_size": 2, "max_model_len": 1024}
 
