@@ -77,9 +77,10 @@ def _split(steps) -> dict:
             "verify_forward_ms": mean_ms(verify, 2), "verify_sample_ms": mean_ms(verify, 3)}
 
 
-def batch1_engine(method: str):
+def batch1_engine(method: str, max_num_seqs: int = 1):
     """One batch-1 engine for ``method`` (as in `vllm-treespec bench`): the shipped
-    target in fp32, its drafter, no prefix caching (every prompt is prefilled)."""
+    target in fp32, its drafter, no prefix caching (every prompt is prefilled);
+    ``max_num_seqs`` for a larger batch."""
     from vllm import LLM
 
     from vllm_treespec.assets import ensure_assets
@@ -89,7 +90,7 @@ def batch1_engine(method: str):
     defaults = argparse.Namespace(drafter=str(assets.drafter), eagle3_k=3, tree=None)
     return LLM(model=str(assets.target), dtype="float32", max_model_len=4096, seed=0,
                enable_prefix_caching=False, speculative_config=parse_method(method, defaults)[1],
-               max_num_seqs=1)
+               max_num_seqs=max_num_seqs)
 
 
 def chat_prompts(tokenizer, turns) -> list[str]:

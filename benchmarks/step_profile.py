@@ -6,7 +6,8 @@ Each method runs alone in a fresh process (engine core and worker in the same
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
 one warm-up prompt, then ``--prompts`` chat-formatted pangu240 first turns,
 greedy unless ``--temperature`` (and ``--top-p``), ``--max-tokens`` each, one at
-a time (sampled runs seed each prompt, so methods meet the same requests; with
+a time, or with ``--batch B`` in rounds of B prompts decoded together, as B
+concurrent clients keep a server's batch full (sampled runs seed each prompt, so methods meet the same requests; with
 ``--unseeded`` they do not, as a served benchmark's requests: seeded tree requests
 take another sampling path, vLLM's own top-p and per-position noise). Written per method:
 ``LABEL.pstats`` (the method's label as ``vllm-treespec bench`` names its files;
@@ -65,7 +66,7 @@ def summarize(stats_path: Path) -> dict:
 
 def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
                 temperature: float = 0.0, top_p: float | None = None,
-                seeded: bool = True) -> dict:
+                seeded: bool = True, batch: int = 1) -> dict:
     import cProfile
     import time
 
@@ -80,19 +81,24 @@ def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
 
     from vllm_treespec.bench import pangu240
 
-    llm = batch1_engine(method)
-    texts = chat_prompts(llm.get_tokenizer(), pangu240.first_turns(prompts + 1))
+    llm = batch1_engine(method, max_num_seqs=batch)
+    turns = pangu240.first_turns(batch * (prompts + 1))  # all of them, if fewer
+    texts = chat_prompts(llm.get_tokenizer(), turns)
     def params(seed: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
                               top_p=top_p or 1.0,  # 1.0: vLLM's default, top-p off
                               seed=seed if temperature > 0 and seeded else None)
 
-    llm.generate(texts[:1], params(0), use_tqdm=False)  # warm-up
+    llm.generate([texts[j % len(texts)] for j in range(batch)],
+                 [params(j) for j in range(batch)], use_tqdm=False)  # warm-up
     profiler = cProfile.Profile()
     tokens, t0 = 0, time.perf_counter()
     profiler.enable()
-    for i, text in enumerate(texts[1:], 1):
-        tokens += len(llm.generate([text], params(i), use_tqdm=False)[0].outputs[0].token_ids)
+    for i in range(1, prompts + 1):  # ``batch`` requests at once, as many clients send them
+        group = range(i * batch, (i + 1) * batch)
+        outs = llm.generate([texts[j % len(texts)] for j in group], [params(j) for j in group],
+                            use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
     profiler.disable()
     seconds = time.perf_counter() - t0
     profiler.dump_stats(str(stats_path))
@@ -104,7 +110,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="eagle3:k=3,eagle3_tree",
                    help="as in `vllm-treespec bench`")
-    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=4,
+                   help="rounds of --batch prompts (one prompt a round at batch 1)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="prompts decoded together (max_num_seqs)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None)
@@ -113,8 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # child: one method
     args = p.parse_args(argv)
-    if args.prompts < 1 or args.max_tokens < 1:
-        p.error("--prompts and --max-tokens must be >= 1")
+    if args.prompts < 1 or args.max_tokens < 1 or args.batch < 1:
+        p.error("--prompts, --batch and --max-tokens must be >= 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from vllm_treespec.bench import slug, split_methods
@@ -122,10 +131,10 @@ def main(argv=None) -> int:
     if args.one is not None:
         row = profile_one(args.one, args.prompts, args.max_tokens,
                           out / f"{slug(args.one)}.pstats", args.temperature, args.top_p,
-                          seeded=not args.unseeded)
+                          seeded=not args.unseeded, batch=args.batch)
         print("STEP_PROFILE " + json.dumps(row), flush=True)
         return 0
-    result = {"prompts": args.prompts, "max_tokens": args.max_tokens,
+    result = {"prompts": args.prompts, "batch": args.batch, "max_tokens": args.max_tokens,
               "temperature": args.temperature, "top_p": args.top_p,
               "seeded": args.temperature > 0 and not args.unseeded, "methods": {}}
     sampling = ["--temperature", str(args.temperature)] + \
@@ -133,7 +142,7 @@ def main(argv=None) -> int:
         (["--unseeded"] if args.unseeded else [])
     for method in split_methods(args.methods):
         proc = subprocess.run([sys.executable, __file__, "--one", method, "--out", str(out),
-                               "--prompts", str(args.prompts),
+                               "--prompts", str(args.prompts), "--batch", str(args.batch),
                                "--max-tokens", str(args.max_tokens), *sampling],
                               capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("STEP_PROFILE ")), None)

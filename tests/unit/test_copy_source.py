@@ -32,12 +32,54 @@ def test_estimates_fall_along_a_branch_and_learn_from_its_accepted_part():
 def test_an_extension_takes_the_nodes_that_raise_the_rate():
     cost = 1.0 + 0.1 * np.arange(20)  # each verified node adds a tenth of a step
     # Base: 1 request, 2 nodes with estimates summing to 1 -> gain 2 in 1.2.
-    t = best_extension(np.array([0.9, 0.8, 0.05]), 2.0, 2, cost, 0.0)
+    t, rate = best_extension(np.array([0.9, 0.8, 0.05]), 2.0, 2, cost, 0.0)
     assert t == pytest.approx(0.8)  # 0.05 lowers the rate; 0.9 and 0.8 raise it
-    assert best_extension(np.array([0.05]), 2.0, 2, cost, 0.0) == float("inf")
+    assert rate == pytest.approx((2.0 + 0.9 + 0.8) / cost[4])
+    assert best_extension(np.array([0.05]), 2.0, 2, cost, 0.0) == (float("inf"), 2.0 / cost[2])
     # A branching extra of half a step prices a lone good node out.
-    assert best_extension(np.array([0.9]), 2.0, 2, cost, 0.5) == float("inf")
-    assert best_extension(np.zeros(3), 2.0, 2, cost, 0.0) == float("inf")
+    assert best_extension(np.array([0.9]), 2.0, 2, cost, 0.5)[0] == float("inf")
+    assert best_extension(np.zeros(3), 2.0, 2, cost, 0.0)[0] == float("inf")
+
+
+class _Budget:
+    """What ``CopySource.lengths`` reads of the adaptive budget, on a fixed cost
+    table (each verified token a tenth of a step) and branching extra."""
+
+    def __init__(self, branch_cost: float):
+        from vllm_treespec.policy import AdaptiveBudget
+
+        self.budget = AdaptiveBudget(num_nodes=16, depth=4, width=4)
+        for n in (1, 64, 256):
+            self.budget.step_cost.set_knot(n, 1.0 + 0.1 * (n - 1))
+        self.budget.branch_cost = branch_cost
+
+    def copy_threshold(self, *args, **kwargs):
+        return self.budget.copy_threshold(*args, **kwargs)
+
+
+@pytest.mark.parametrize("branch_cost, kept", [
+    (0.0, [[1, 1]]),    # branching is free: both copies' first tokens pay
+    (5.0, [[1, 0]]),    # dear: the first copy alone, a chain
+])
+def test_copies_that_would_branch_pay_the_branching_extra(branch_cost, kept):
+    """An undrafted request with two copies that part at once: verifying both
+    makes its tree branch. Priced as chains (as they were), both were verified
+    whatever branching cost; now the first copy alone competes, as a chain."""
+    from vllm_treespec.tree.copy_drafts import CopyDraft
+    from vllm_treespec.vllm_glue.copy_source import CopySource
+
+    source = CopySource(branches=2, length=1)
+    for _ in range(50):  # both kinds of match reliably right
+        source.estimates.observe(match=4, kept=1, accepted=1)
+        source.estimates.observe(match=3, kept=1, accepted=1)
+    copies = [[CopyDraft((7,), 4), CopyDraft((8,), 3)]]
+    budget = _Budget(branch_cost)
+    assert source.lengths(copies, budget, base_gain=1.0, base_nodes=0,
+                          base_chains=True) == kept
+    # A lone copy never branches: the extra does not price it out.
+    assert source.lengths([copies[0][:1]], budget, 1.0, 0, True) == [[1]]
+    # Beside a drafted tree that branches already, no new extra: both stay.
+    assert source.lengths(copies, budget, 1.5, 2, base_chains=False) == [[1, 1]]
 
 
 def test_the_drafter_learns_only_from_its_own_nodes():

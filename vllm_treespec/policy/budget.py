@@ -284,13 +284,14 @@ class AdaptiveBudget(BudgetEstimates):
         return torch.from_numpy(pick[0]).to(dev), chain_only
 
     def copy_threshold(self, q: np.ndarray, base_gain: float, base_nodes: int, batch: int,
-                       branching: bool = False) -> float:
+                       branching: bool = False) -> tuple[float, float]:
         """The least estimate a copy node needs to be verified beside the
         drafter's selection (``base_nodes`` nodes of summed estimate
-        ``base_gain - batch``); ``branching``: copies would make chains branch,
+        ``base_gain - batch``), and the rate of the step that verifies them
+        (tokens per second); ``branching``: copies would make chains branch,
         and pay the branching extra. Without a cost model, 0: verify them all."""
         cost = self.step_cost.costs(batch + np.arange(base_nodes + q.size + 1))
         if cost is None:
-            return 0.0
+            return 0.0, 0.0
         extra = max(self.branch_cost, 0.0) if branching else 0.0
         return best_extension(q, base_gain, base_nodes, cost, extra)

@@ -34,18 +34,18 @@ def best_prefix(q: np.ndarray, m: int, cost: np.ndarray,
 
 
 def best_extension(q: np.ndarray, base_gain: float, base_nodes: int, cost: np.ndarray,
-                   extra: float) -> float:
+                   extra: float) -> tuple[float, float]:
     """The least estimate q a node of ``q`` (any shape; 0 = no node) needs to be
     verified beside a selection already made, which emits ``base_gain`` tokens
     from ``base_nodes`` verified nodes: the cut that maximises the step's rate
-    (gain / ``cost[base_nodes + k]``, ``extra`` added once any is taken).
-    ``inf``: none pays. Copy branches join the drafter's selection this way."""
+    (gain / ``cost[base_nodes + k]``, ``extra`` added once any is taken), and
+    that rate. ``inf``: none pays. Copy branches join the drafter's selection
+    this way."""
     flat = -np.sort(-q[q > 0.0].ravel())
     room = max(0, min(flat.size, cost.size - 1 - base_nodes))
-    if room == 0:
-        return float("inf")
     flat = flat[:room]
     gain = base_gain + np.concatenate([[0.0], np.cumsum(flat, dtype=np.float64)])
     spent = cost[base_nodes: base_nodes + room + 1] + extra * (np.arange(room + 1) > 0)
-    best_k = int(np.argmax(gain / spent))
-    return float("inf") if best_k == 0 else float(flat[best_k - 1])
+    rates = gain / spent
+    best_k = int(np.argmax(rates))
+    return (float("inf") if best_k == 0 else float(flat[best_k - 1])), float(rates[best_k])

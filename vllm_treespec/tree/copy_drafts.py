@@ -61,7 +61,7 @@ def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: 
     ends, matched = ends[::-1], matched[::-1]  # most recent first
     for n in range(max_ngram, min_ngram - 1, -1):
         for e in ends[matched >= n]:
-            cont = tuple(int(t) for t in h[e + 1: e + 1 + length])
+            cont = tuple(h[e + 1: e + 1 + length].tolist())
             if any(k.tokens[:len(cont)] == cont for k in out):
                 continue
             out = [k for k in out if cont[:len(k.tokens)] != k.tokens]  # cont extends k

@@ -75,17 +75,33 @@ class CopySource:
     def lengths(self, copies: list[list[CopyDraft]], policy, base_gain: float,
                 base_nodes: int, base_chains: bool) -> list[list[int]]:
         """How many tokens of each copy to verify. Without a policy, all; with
-        one, those whose estimate reaches the batch-wide threshold (a branch
-        beside a drafted chain makes it branch and pays the branching extra)."""
+        one, those whose estimate reaches the batch-wide threshold, priced two
+        ways as the drafter's selection is: every copy, paying the branching
+        extra where they make a request's tree branch (two copies part
+        somewhere; a copy beside a drafted chain), or each request's first copy
+        alone, a chain for the causal kernel where the drafter verifies none or
+        its own tree branches already. The faster step wins: without this, two
+        one-token copies at the root of an undrafted request were priced as
+        chains and verified as trees, which under load cost more than they
+        accepted (benchmarks/RESULTS.md, "Hybrid trees (copy branches)")."""
         if policy is None:
             return [[len(c.tokens) for c in cs] for cs in copies]
         q = [[self.estimates.estimates(c.match, len(c.tokens)) for c in cs] for cs in copies]
-        flat = np.concatenate([e for row in q for e in row] or [np.zeros(0)])
-        if flat.size == 0:
+        every = [e for row in q for e in row]
+        if not every:
             return [[] for _ in copies]
-        threshold = policy.copy_threshold(flat, base_gain, base_nodes, len(copies),
-                                          branching=base_chains and base_nodes > 0)
+        beside_chain = base_chains and base_nodes > 0
+        threshold, rate = policy.copy_threshold(
+            np.concatenate(every), base_gain, base_nodes, len(copies),
+            branching=base_chains and (base_nodes > 0 or any(len(row) > 1 for row in q)))
         kept = [[int((e >= threshold).sum()) for e in row] for row in q]
+        if any(len(row) > 1 for row in q):
+            first, first_rate = policy.copy_threshold(
+                np.concatenate([row[0] for row in q if row]), base_gain, base_nodes,
+                len(copies), branching=beside_chain)
+            if first_rate > rate:
+                kept = [[int((e >= first).sum()) if i == 0 else 0 for i, e in enumerate(row)]
+                        for row in q]
         if not any(k for row in kept for k in row):
             self.estimates.forget()
         return kept
