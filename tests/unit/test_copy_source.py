@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
 from vllm_treespec.policy.copy_estimates import CopyAcceptance
@@ -145,3 +146,25 @@ def test_a_copy_displaces_unlikely_drafts_of_a_full_tree():
     got_tokens, *_ = source.grafted(tokens, parents, probs, [copy], [2], max_nodes=4,
                                     max_children=4, drafter_scale=3.0)
     assert got_tokens == [10, 20, 30, 11]
+
+
+def test_no_copies_while_the_budget_keeps_speculation_off():
+    """The proposer searches and grafts copies only on steps the budget
+    speculates on (or without a budget); a step it plans off stays plain."""
+    from types import SimpleNamespace
+
+    from vllm_treespec.vllm_glue.copy_source import CopySource
+    from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
+
+    history = np.array([[5, 6, 7, 8, 9, 5, 6, 7]])  # ends where "5 6 7" began: "8 9 .."
+    proposer = SimpleNamespace(
+        copies=CopySource(branches=2, length=4), policy=None, last_depth=3,
+        runner=SimpleNamespace(input_batch=SimpleNamespace(
+            token_ids_cpu=history, num_tokens_no_spec=np.array([history.shape[1]]))))
+    plan = TreeEagleProposer._copy_plan(proposer, None, None, np.zeros(1, np.int64),
+                                        torch.tensor([7]))
+    assert plan is not None and [c.tokens for c in plan[0][0]] == [(8, 9, 5, 6)]
+    assert plan[1] == [[4]]
+    proposer.last_depth = 0  # the adaptive budget planned this step off
+    assert TreeEagleProposer._copy_plan(proposer, None, None, np.zeros(1, np.int64),
+                                        torch.tensor([7])) is None

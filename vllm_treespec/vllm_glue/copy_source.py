@@ -1,7 +1,7 @@
 """Copy branches in served trees: found per request, priced, grafted, learned.
 
-Every drafting step (and every step the adaptive budget keeps the drafter off:
-copies cost no drafter forward), each request's history -- its prompt and
+Every drafting step (not while the adaptive budget keeps speculation off:
+``proposer._copy_plan`` says why), each request's history -- its prompt and
 output so far, through this step's new root -- is searched for the
 continuations of its last tokens (``tree.copy_drafts``). vLLM's runner writes a
 step's sampled tokens into ``input_batch.token_ids_cpu`` after the drafter ran

@@ -378,8 +378,15 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         return out
 
     def _copy_plan(self, trees, probs, num: np.ndarray, roots):
-        """(copies, tokens of each to verify) per request, or None."""
-        if self.copies is None or roots is None:
+        """(copies, tokens of each to verify) per request, or None.
+
+        None while the adaptive budget keeps speculation off: it predicts that
+        plain steps win at this batch, and the steps it prices by the forward's
+        time cost more than that served under load, where the processes around
+        the forward share its cores. There, copies priced to pay lost to plain
+        decoding (benchmarks/RESULTS.md, "Hybrid trees (copy branches)"), and
+        the search itself costs every step."""
+        if self.copies is None or roots is None or self.last_depth == 0:
             return None
         batch = self.runner.input_batch
         found, mismatches = self.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
