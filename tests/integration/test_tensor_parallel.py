@@ -182,21 +182,16 @@ def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, tp_p
 
 def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
     """Rank 1 times every step three times slower than rank 0: with per-rank
-    timings their budgets would plan different depths (and hang in a collective)."""
+    timings their budgets would plan different depths (and hang in a collective).
+    (Greedy identity at TP = 2 is the server tests' subject; CI time.)"""
     target, drafter = tp_pair
     prompts = chat_token_ids(tokenizer)[:4]
     engine = base_engine(target, tensor_parallel_size=2, max_model_len=1024, max_num_seqs=4,
                          speculative_config={"method": "eagle3_tree", "model": str(drafter)})
-    plain = run_engine({"engine": base_engine(target, tensor_parallel_size=2,
-                                              max_model_len=1024, max_num_seqs=4),
-                        "prompts": prompts,
-                        "sampling": {"temperature": 0.0, "max_tokens": 96}},
-                       engine_dir, "tp2_plain", extra_env=TP_ENV)
     out = run_engine({"engine": engine, "prompts": prompts, "slow_rank": {"rank": 1,
                                                                           "factor": 3.0},
                       "sampling": {"temperature": 0.0, "max_tokens": 96}},
                      engine_dir, "tp2_slow_rank", extra_env=TP_ENV)
-    assert out["outputs"] == plain["outputs"]
     rank0, rank1 = out["planned_depths"]
     assert rank0 == rank1 and len(rank0) > 20
     assert max(rank0) > 0, "the budget never drafted"
