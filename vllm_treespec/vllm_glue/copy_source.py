@@ -79,11 +79,11 @@ class CopySource:
         ways as the drafter's selection is: every copy, paying the branching
         extra where they make a request's tree branch (two copies part
         somewhere; a copy beside a drafted chain), or each request's first copy
-        alone, a chain for the causal kernel where the drafter verifies none or
-        its own tree branches already. The faster step wins: without this, two
-        one-token copies at the root of an undrafted request were priced as
-        chains and verified as trees, which under load cost more than they
-        accepted (benchmarks/RESULTS.md, "Hybrid trees (copy branches)")."""
+        alone (beside no drafts, a chain for the causal kernel). The faster
+        step wins: without this, two one-token copies at the root of an
+        undrafted request were priced as chains and verified as trees, which
+        under load cost more than they accepted (benchmarks/RESULTS.md,
+        "Hybrid trees (copy branches)")."""
         if policy is None:
             return [[len(c.tokens) for c in cs] for cs in copies]
         q = [[self.estimates.estimates(c.match, len(c.tokens)) for c in cs] for cs in copies]
