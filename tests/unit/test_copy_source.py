@@ -161,6 +161,7 @@ def test_no_copies_while_the_budget_keeps_speculation_off():
         copies=CopySource(branches=2, length=4), policy=None, last_depth=3,
         runner=SimpleNamespace(input_batch=SimpleNamespace(
             token_ids_cpu=history, num_tokens_no_spec=np.array([history.shape[1]]))))
+    proposer._copies_wanted = lambda roots: TreeEagleProposer._copies_wanted(proposer, roots)
     plan = TreeEagleProposer._copy_plan(proposer, None, None, np.zeros(1, np.int64),
                                         torch.tensor([7]))
     assert plan is not None and [c.tokens for c in plan[0][0]] == [(8, 9, 5, 6)]

@@ -1,7 +1,7 @@
 """Copy branches in served trees: found per request, priced, grafted, learned.
 
 Every drafting step (not while the adaptive budget keeps speculation off:
-``proposer._copy_plan`` says why), each request's history -- its prompt and
+``proposer._copies_wanted`` says why), each request's history -- its prompt and
 output so far, through this step's new root -- is searched for the
 continuations of its last tokens (``tree.copy_drafts``). vLLM's runner writes a
 step's sampled tokens into ``input_batch.token_ids_cpu`` after the drafter ran
@@ -91,11 +91,12 @@ class CopySource:
         if not every:
             return [[] for _ in copies]
         beside_chain = base_chains and base_nodes > 0
+        several = any(len(row) > 1 for row in q)  # some request's copies part somewhere
         threshold, rate = policy.copy_threshold(
             np.concatenate(every), base_gain, base_nodes, len(copies),
-            branching=base_chains and (base_nodes > 0 or any(len(row) > 1 for row in q)))
+            branching=beside_chain or (base_chains and several))
         kept = [[int((e >= threshold).sum()) for e in row] for row in q]
-        if any(len(row) > 1 for row in q):
+        if several:
             first, first_rate = policy.copy_threshold(
                 np.concatenate([row[0] for row in q if row]), base_gain, base_nodes,
                 len(copies), branching=beside_chain)

@@ -346,7 +346,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         ``roots``: each request's new root, to graft copy branches below."""
         req_ids = self.runner.input_batch.req_ids
         B = len(req_ids)
-        if trees is None and (self.copies is None or roots is None):
+        if trees is None and not self._copies_wanted(roots):
             for r in req_ids:
                 self.proposed.pop(r, None)
             return [[] for _ in req_ids]
@@ -377,16 +377,20 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                 self.proposed.pop(req_id, None)
         return out
 
-    def _copy_plan(self, trees, probs, num: np.ndarray, roots):
-        """(copies, tokens of each to verify) per request, or None.
+    def _copies_wanted(self, roots) -> bool:
+        """Whether this step searches for copies: they are on, the step has its
+        roots, and the adaptive budget did not keep speculation off. Off, it
+        predicts that plain steps win at this batch, and the steps it prices by
+        the forward's time cost more than that served under load, where the
+        processes around the forward share its cores. There, copies priced to
+        pay lost to plain decoding (benchmarks/RESULTS.md, "Hybrid trees (copy
+        branches)"), and the search itself costs every step."""
+        return self.copies is not None and roots is not None and self.last_depth > 0
 
-        None while the adaptive budget keeps speculation off: it predicts that
-        plain steps win at this batch, and the steps it prices by the forward's
-        time cost more than that served under load, where the processes around
-        the forward share its cores. There, copies priced to pay lost to plain
-        decoding (benchmarks/RESULTS.md, "Hybrid trees (copy branches)"), and
-        the search itself costs every step."""
-        if self.copies is None or roots is None or self.last_depth == 0:
+    def _copy_plan(self, trees, probs, num: np.ndarray, roots):
+        """(copies, tokens of each to verify) per request, or None
+        (``_copies_wanted``)."""
+        if not self._copies_wanted(roots):
             return None
         batch = self.runner.input_batch
         found, mismatches = self.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
