@@ -288,9 +288,10 @@ def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer
 
 def recorded_drafts(worker) -> dict:
     """collective_rpc target: what ``schedule_speculation`` recorded, plus how many
-    deferred drafter tokens were caught up."""
-    return {"drafts": worker._treespec_drafts,
-            "caught_up": worker.model_runner.drafter.catch_up_tokens}
+    deferred drafter tokens were caught up, and how many dropped (bounded memory)."""
+    drafter = worker.model_runner.drafter
+    return {"drafts": worker._treespec_drafts, "caught_up": drafter.catch_up_tokens,
+            "dropped": drafter.dropped_tokens}
 
 
 def record_proposals(worker) -> bool:

@@ -42,11 +42,11 @@ SETTINGS = [
 # compute-bound (each request verifies its whole tree), so N prices the suite: the
 # controls below show the tests still fail a biased rule at no more draws than this.
 N = 600
-# Parallel drafting shares the acceptance rule with the test above; what differs is
-# how its trees are grown, and a wrong tree there is a gross error. Fewer draws keep
-# the same tests, the reference sample still 2N.
-N_PARALLEL = 400
 N_CONTROL = 200  # the greedy rule is far off; fewer samples suffice
+# Parallel drafting shares the acceptance rule with the test above; what differs is
+# how its trees are grown, and a wrong tree there is a gross error, which the gross
+# control shows these tests catch at N_CONTROL draws. The reference sample is still 2N.
+N_PARALLEL = N_CONTROL
 N_SUBTLE = 600   # the unnormalised-siblings control (p = 3e-12 against 1,600 reference draws)
 ALPHA = 1e-3     # a p-value below this fails the test
 LENGTH = 4       # tokens per sample

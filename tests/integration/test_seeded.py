@@ -60,6 +60,9 @@ def test_seeded_requests_reproduce_across_off_steps(target_dir, tokenizer, engin
     with_off = run(target_dir, prompts, engine_dir, "defer")
     control = run(target_dir, prompts, engine_dir, "defer", stream=True)
     assert with_off["drafts"]["caught_up"] > 0, "the schedule switched nothing off"
+    # The chunked prompt, deferred while off, passes the bound (one step's tokens):
+    # its oldest drafter inputs are dropped, which must not touch what is emitted.
+    assert with_off["drafts"]["dropped"] > 0, with_off["drafts"]["dropped"]
     assert every_step["tree"]["mean_accept_len"] > 1.0, every_step["tree"]
     assert len({tuple(o[0]) for o in every_step["outputs"][:len(SEEDS)]}) == len(SEEDS)
     assert all(o[0] for o in every_step["outputs"])  # the chunked one completed too

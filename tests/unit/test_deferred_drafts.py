@@ -116,3 +116,22 @@ def test_raw_target_states_are_combined_at_catch_up_in_one_call_per_run():
     assert batch.positions.tolist() == [10, 11, 12, 13, 14]
     assert batch.hidden.shape == (5, 4)
     assert batch.hidden[:, 0].tolist() == [10, 11, 24, 26, 28]
+
+
+def test_trim_keeps_each_requests_most_recent_inputs():
+    """Past the bound while off, the oldest deferred inputs go (a piece is cut
+    where the kept window starts); what remains catches up as before."""
+    dd = DeferredDrafts(max_tokens=100)
+    for ps in ([[10, 11, 12], [40]], [[13], [41]], [[14], [42]]):
+        ids, pos, hid, first, last = step(ps)
+        dd.defer(["a", "b"], ids, pos, hid, first, last)
+    ids, pos, hid, first, last = step([[7]])
+    dd.defer(["c"], ids, pos, hid, first, last)
+    assert dd.trim(["a", "b"], keep=4) == 1 and dd.pending(["a", "b"]) == 7
+    assert dd.trim(["a", "b"], keep=2) == 3 and dd.pending(["a", "b", "c"]) == 5
+    (batch,) = dd.take(["a", "b"], None, max_pass_tokens=64)
+    assert batch.positions.tolist() == [13, 14, 41, 42]
+    assert batch.ids.tolist() == [1013, 1014, 1041, 1042]
+    assert batch.hidden[:, 0].tolist() == [13, 14, 41, 42]
+    assert batch.seq_lens == [15, 43]
+    assert dd.trim(["c"], keep=0) == 1 and len(dd) == 0 and dd.total_tokens == 0

@@ -14,12 +14,16 @@ usual.
 Only draft quality depends on the drafter's KV (the verify step never reads it),
 so none of this can change what is emitted; it keeps the drafts as good as if
 the drafter had run every step. The deferred inputs are bounded: past
-``max_tokens`` for the batch's requests, the proposer catches up without drafting.
+``max_tokens`` for the batch's requests, the oldest are dropped (``trim``), each
+request keeping its most recent ones. A batch that stays off for long (a wide
+batch, where speculation does not pay) then runs no drafter pass at all, and a
+request that drafts again catches up a bounded recent window; the positions
+dropped stay without drafter KV, which only lowers acceptance there.
 
-Known gap: a request that finishes while speculation is off leaves its last
-blocks without drafter KV; a later request that reuses them from the prefix
-cache (a chat's next turn) drafts against that gap until its own tokens pass
-it. Output is unaffected; acceptance on such turns can be lower.
+Known gaps (output unaffected, acceptance can be lower): the dropped positions
+above; and a request that finishes while speculation is off leaves its last
+blocks without drafter KV, so a later request that reuses them from the prefix
+cache (a chat's next turn) drafts against that gap until its own tokens pass it.
 """
 
 from __future__ import annotations
@@ -100,6 +104,29 @@ class DeferredDrafts:
                 self._tokens[req_id] = sum(p.ids.shape[0] for p in kept)
             kept.append(piece)
             self._tokens[req_id] = self._tokens.get(req_id, 0) + (hi - lo)
+
+    def trim(self, req_ids: list[str], keep: int) -> int:
+        """Drop all but the ``keep`` most recent deferred tokens of each of these
+        requests; returns how many were dropped."""
+        dropped = 0
+        for req_id in req_ids:
+            excess = self._tokens.get(req_id, 0) - keep
+            if excess <= 0:
+                continue
+            kept = self._spans[req_id]
+            while kept and excess >= kept[0].ids.shape[0]:
+                excess -= kept[0].ids.shape[0]
+                dropped += kept.pop(0).ids.shape[0]
+            if not kept:
+                self.forget([req_id])
+                continue
+            if excess:
+                head = kept[0]
+                kept[0] = DeferredSpan(head.start + excess, head.ids[excess:],
+                                       head.hidden[excess:])
+                dropped += excess
+            self._tokens[req_id] = sum(p.ids.shape[0] for p in kept)
+        return dropped
 
     def take(self, req_ids: list[str], step_start: list[int] | None,
              max_pass_tokens: int) -> list[CatchUpBatch]:

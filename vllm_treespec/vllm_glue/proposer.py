@@ -21,9 +21,10 @@ while its selections keep chains). Where the runner's device allows it
 (``paged_chain_levels``: the CPU), such one-wide levels run as stock EAGLE chain
 steps, native kernel over the paged cache, so a chain costs a stock chain's
 drafting.
-When the budget says "no drafts" for a decode step, the first pass is skipped
-too and its inputs deferred (``deferred_drafts``); the next drafting step
-catches the drafter's KV up in one batched pass before its own first pass.
+When the budget says "no drafts" for a step, the first pass is skipped too
+(prefill chunks included) and its inputs deferred (``deferred_drafts``); the
+next drafting step catches the drafter's KV up in one batched pass before its
+own first pass.
 With ``"draft": "parallel"`` the levels are replaced by one forward of
 parallel-drafting slots (``parallel_drafts``).
 """
@@ -74,6 +75,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         # device says whether its attention backend serves them natively).
         self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
         self.catch_up_tokens = 0
+        self.dropped_tokens = 0  # deferred inputs dropped while off (bounded memory)
         self.faults = DraftFaults()  # drafting steps that raised (see propose)
         self.copies = (CopySource(cfg.copy_branches, cfg.copy_length) if cfg.copy_branches
                        else None)
@@ -174,10 +176,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         first_rows = cad.query_start_loc_cpu[:batch_size].tolist()
-        if (depth == 0 and self.defer_when_off
-                and cad.max_query_len <= 1 + self.tree_cfg.num_nodes):
-            # Off, and no prefill chunk: a plain step would not run the drafter,
-            # so neither do we (its inputs wait in self.deferred).
+        if depth == 0 and self.defer_when_off:
+            # Off (prefill chunks included): a plain step would not run the
+            # drafter, so neither do we (its inputs wait in self.deferred).
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
@@ -195,7 +196,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                                                                      cad.slot_mapping)):
             last_hidden, hidden = self.model(**model_kwargs)
         t_first = time.perf_counter()
-        if depth == 0:  # a prefill step: the drafter read it, nothing to draft
+        if depth == 0:  # off, not deferring (the reference): nothing to draft
             return self._finish_step(self._hand_over(None, next_token_ids[:batch_size]), t0)
         root_hidden = hidden[token_indices_to_sample]               # [B, d]
         root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
@@ -309,7 +310,10 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
     def _finish_off_step(self, cad, req_ids: list[str], t0: float,
                          roots: torch.Tensor) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:
-            self._catch_up(cad, req_ids, None)  # bounded memory: catch up now
+            # Bounded memory without a drafter pass: keep each request's most
+            # recent inputs, half the bound in all (quality only; deferred_drafts).
+            keep = max(1, self.deferred.max_tokens // (2 * len(req_ids)))
+            self.dropped_tokens += self.deferred.trim(req_ids, keep)
         return self._finish_step(self._hand_over(None, roots), t0)
 
     def _finish_step(self, drafts: list[list[int]], t0: float) -> list[list[int]]:
