@@ -55,12 +55,16 @@ lane() {  # name, release, pytest arguments...
     shift 2
     echo "[test.sh] lane $name: vLLM $release, pytest $*" >&2
     local start=$SECONDS
-    ( export VLLM_TREESPEC_VLLM=$release; . scripts/setup-env.sh; python -m pytest "$@" )
+    ( export VLLM_TREESPEC_VLLM=$release TREESPEC_SAMPLING_N; . scripts/setup-env.sh
+      python -m pytest "$@" )
     local rc=$?
     echo "[test.sh] lane $name: exit $rc after $((SECONDS - start)) s" >&2
     return $rc
 }
 status=0
 lane default 0.32.0 || status=1
-lane other-end "$OTHER_END" "${OTHER_END_TESTS[@]}" || status=1
+# Fewer T > 0 draws on the other end (CI time): what differs between releases is
+# how the glue wires vLLM's sampling in, and an error there is gross, which
+# test_sampling's gross control shows its tests catch at 200 draws.
+TREESPEC_SAMPLING_N=300 lane other-end "$OTHER_END" "${OTHER_END_TESTS[@]}" || status=1
 exit $status
