@@ -135,3 +135,28 @@ def test_trim_keeps_each_requests_most_recent_inputs():
     assert batch.hidden[:, 0].tolist() == [13, 14, 41, 42]
     assert batch.seq_lens == [15, 43]
     assert dd.trim(["c"], keep=0) == 1 and len(dd) == 0 and dd.total_tokens == 0
+
+
+def test_a_trimmed_piece_keeps_only_its_rows():
+    """A cut prefill chunk must not keep the whole chunk alive (a view would)."""
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([list(range(64))], d=16)
+    dd.defer(["a"], ids, pos, hid, first, last)
+    dd.trim(["a"], keep=4)
+    (span,) = dd._spans["a"]
+    assert span.hidden.untyped_storage().nbytes() == 4 * 16 * span.hidden.element_size()
+    assert span.ids.untyped_storage().nbytes() == 4 * span.ids.element_size()
+
+
+def test_a_recompute_before_the_trimmed_window_replaces_it():
+    """A preempted request recomputes from before its kept window: nothing kept
+    survives past the recompute's start."""
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([[10, 11, 12, 13, 14]])
+    dd.defer(["a"], ids, pos, hid, first, last)
+    dd.trim(["a"], keep=2)  # keeps 13, 14
+    ids, pos, hid, first, last = step([[5, 6]])
+    dd.defer(["a"], ids, pos, hid, first, last)
+    assert dd.pending(["a"]) == 2
+    (batch,) = dd.take(["a"], None, max_pass_tokens=64)
+    assert batch.positions.tolist() == [5, 6]

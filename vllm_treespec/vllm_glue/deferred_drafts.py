@@ -12,18 +12,19 @@ next step that drafts first forwards everything deferred in batched passes
 usual.
 
 Only draft quality depends on the drafter's KV (the verify step never reads it),
-so none of this can change what is emitted; it keeps the drafts as good as if
-the drafter had run every step. The deferred inputs are bounded: past
+so none of this can change what is emitted; caught up, the drafts are as good as
+if the drafter had run every step. The deferred inputs are bounded: past
 ``max_tokens`` for the batch's requests, the oldest are dropped (``trim``), each
 request keeping its most recent ones. A batch that stays off for long (a wide
-batch, where speculation does not pay) then runs no drafter pass at all, and a
-request that drafts again catches up a bounded recent window; the positions
-dropped stay without drafter KV, which only lowers acceptance there.
+batch, where speculation does not pay) then runs no drafter layer at all (only
+the fc that combines a prefill chunk's states), and a request that drafts again
+catches up a bounded recent window.
 
-Known gaps (output unaffected, acceptance can be lower): the dropped positions
-above; and a request that finishes while speculation is off leaves its last
-blocks without drafter KV, so a later request that reuses them from the prefix
-cache (a chat's next turn) drafts against that gap until its own tokens pass it.
+Known gaps (output unaffected, acceptance can be lower): positions without
+drafter KV. Those dropped above (for a request prefilled while off, possibly
+most of its prompt), and those deferred by a request that finishes while off.
+A later request that reuses such blocks from the prefix cache (a shared prefix,
+a chat's next turn) drafts against the gap until the blocks are evicted.
 """
 
 from __future__ import annotations
@@ -120,10 +121,10 @@ class DeferredDrafts:
             if not kept:
                 self.forget([req_id])
                 continue
-            if excess:
+            if excess:  # copies: a view would keep the whole piece (a prefill chunk) alive
                 head = kept[0]
-                kept[0] = DeferredSpan(head.start + excess, head.ids[excess:],
-                                       head.hidden[excess:])
+                kept[0] = DeferredSpan(head.start + excess, head.ids[excess:].clone(),
+                                       head.hidden[excess:].clone())
                 dropped += excess
             self._tokens[req_id] = sum(p.ids.shape[0] for p in kept)
         return dropped

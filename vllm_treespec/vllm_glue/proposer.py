@@ -311,7 +311,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                          roots: torch.Tensor) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:
             # Bounded memory without a drafter pass: keep each request's most
-            # recent inputs, half the bound in all (quality only; deferred_drafts).
+            # recent inputs, about half the bound in all (quality only; see
+            # deferred_drafts for the gaps this leaves).
             keep = max(1, self.deferred.max_tokens // (2 * len(req_ids)))
             self.dropped_tokens += self.deferred.trim(req_ids, keep)
         return self._finish_step(self._hand_over(None, roots), t0)
