@@ -29,6 +29,7 @@ OTHER_END_TESTS=(
     --deselect "tests/integration/test_greedy.py::test_greedy_tree_equals_plain_decoding[1]"
     --deselect tests/integration/test_sampling.py::test_hybrid_trees_sample_what_plain_sampling_does
     --deselect tests/integration/test_sampling.py::test_harness_detects_a_biased_rule_on_hybrid_trees
+    --deselect tests/integration/test_http.py::test_hybrid_trees_sample_what_plain_vllm_samples_over_http
     --deselect tests/integration/test_greedy.py::test_one_token_requests_joining_a_decode_batch
     --deselect tests/integration/test_greedy.py::test_adaptive_budget_turns_off_useless_speculation
     --deselect tests/integration/test_greedy.py::test_greedy_chains_on_the_causal_kernel

@@ -1,12 +1,12 @@
 """OpenAI-compatible HTTP through `vllm-treespec serve` with eagle3_tree.
 
-Two servers on 127.0.0.1, same flags: plain vLLM first (reference answers),
-then eagle3_tree with the shipped drafter, a branching tree on every step and
-copy branches (hybrid trees: continuations copied from the request's own
-history, verified beside the drafter's nodes).
+Two servers on 127.0.0.1, same flags: plain vLLM (reference answers) and
+eagle3_tree with the shipped drafter, a branching tree on every step and copy
+branches (hybrid trees: continuations copied from the request's own history,
+verified beside the drafter's nodes).
 Driven by the official `openai` client: chat and completions, streaming, n>1,
-stop strings, logprobs, concurrent requests, and a client that disconnects
-mid-stream.
+stop strings, logprobs, concurrent requests, a client that disconnects
+mid-stream, and T > 0 samples whose distribution must be plain vLLM's.
 """
 
 from __future__ import annotations
@@ -75,15 +75,19 @@ def collect(client) -> dict:
 
 
 @pytest.fixture(scope="module")
-def servers(target_dir, tmp_path_factory):
+def plain_server(target_dir, tmp_path_factory):
+    """Plain vLLM, up for the whole module (the T > 0 test draws from it last)."""
+    plain = start(target_dir, tmp_path_factory.mktemp("plain") / "plain.log", None)
+    yield plain
+    plain.close()
+
+
+@pytest.fixture(scope="module")
+def servers(plain_server, target_dir, tmp_path_factory):
     from vllm_treespec.assets import committed_drafter_dir
 
     logs = tmp_path_factory.mktemp("servers")
-    plain = start(target_dir, logs / "plain.log", None)
-    try:
-        reference = collect(plain.client)
-    finally:
-        plain.close()
+    reference = collect(plain_server.client)
     # The shipped drafter with the budget off: every step verifies a branching
     # tree and accepts real drafts, so logprobs, stop strings, streaming and n>1
     # go through multi-token tree steps (a random drafter accepts nothing, and
@@ -310,3 +314,48 @@ def test_vllm_bench_serve_runs_against_the_tree_server(servers, target_dir, tmp_
     assert result["completed"] == 4, result
     assert result.get("failed", 0) == 0, result
     assert result["total_output_tokens"] > 0, result
+
+
+# Tree draws; plain vLLM draws twice as many (test_sampling's design). The rule's
+# power is test_sampling's subject; what serving could add (requests' sampling
+# settings lost or changed on their way to the engine) is a gross error, which
+# test_sampling's gross control shows these tests catch at 200 draws.
+N_SERVED = 200
+
+
+def served_draws(client, n: int) -> list[tuple]:
+    """n i.i.d. 4-token answers (unseeded, T = 1) to test_sampling's hybrid chat,
+    eight a request (vLLM's n: one batch of the server's eight slots)."""
+    from tests.integration.test_sampling import HYBRID_CHAT, LENGTH
+
+    draws: list[tuple] = []
+    while len(draws) < n:
+        resp = client.chat.completions.create(
+            model="smollm2", messages=HYBRID_CHAT, max_tokens=LENGTH, temperature=1.0, n=8,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        draws += [tuple(c.token_ids) for c in resp.choices]
+    return draws[:n]
+
+
+def test_hybrid_trees_sample_what_plain_vllm_samples_over_http(servers, plain_server):
+    """test_sampling's hybrid distribution test through the served path: the
+    second turn asks for the first answer again, so copies and the drafter's nodes
+    are siblings; the tree server's draws pass both homogeneity tests against the
+    plain server's, and copies were accepted. (The harness's negative controls run
+    in-process, where a biased rule can be installed: test_sampling.)"""
+    from tests.integration.test_sampling import ALPHA, next_token_homogeneity_pvalue
+    from vllm_treespec.bench.homogeneity import homogeneity_pvalue
+
+    _, tree = servers
+    before = tree.metrics()
+    plain = served_draws(plain_server.client, 2 * N_SERVED)
+    got = served_draws(tree.client, N_SERVED)
+    m = tree.metrics()
+    p = homogeneity_pvalue(plain, got)
+    assert p > ALPHA, f"distributions of sequences differ (p={p:.2e})"
+    p = next_token_homogeneity_pvalue(plain, got)
+    assert p > ALPHA, f"next-token distributions differ (p={p:.2e})"
+    copied = sum(v - before.get(k, 0.0) for k, v in m.items()
+                 if k.startswith("vllm_treespec:accepted_tokens_total{")
+                 and ('source="copy"' in k or 'source="both"' in k))
+    assert copied > 0, m
