@@ -229,6 +229,13 @@ def test_client_disconnect_mid_stream_leaves_server_healthy(servers):
 ABORTED_REQUESTS = 2
 
 
+def accepted_by_source(before: dict, after: dict, source: str) -> float:
+    """Accepted draft tokens credited to ``source`` between two /metrics reads."""
+    key = 'vllm_treespec:accepted_tokens_total{'
+    return sum(v - before.get(k, 0.0) for k, v in after.items()
+               if k.startswith(key) and f'source="{source}"' in k)
+
+
 def test_tree_metrics_on_prometheus_endpoint(servers):
     _, tree = servers
     before = tree.metrics()
@@ -239,9 +246,7 @@ def test_tree_metrics_on_prometheus_endpoint(servers):
         return metric_sum(m, name) - metric_sum(before, name)
 
     def by_source(source):
-        key = 'vllm_treespec:accepted_tokens_total{'
-        return sum(v - before.get(k, 0.0) for k, v in m.items()
-                   if k.startswith(key) and f'source="{source}"' in k)
+        return accepted_by_source(before, m, source)
 
     # A repetitive answer: its copy branches were accepted, and every accepted
     # draft is counted under exactly one source.
@@ -355,7 +360,4 @@ def test_hybrid_trees_sample_what_plain_vllm_samples_over_http(servers, plain_se
     assert p > ALPHA, f"distributions of sequences differ (p={p:.2e})"
     p = next_token_homogeneity_pvalue(plain, got)
     assert p > ALPHA, f"next-token distributions differ (p={p:.2e})"
-    copied = sum(v - before.get(k, 0.0) for k, v in m.items()
-                 if k.startswith("vllm_treespec:accepted_tokens_total{")
-                 and ('source="copy"' in k or 'source="both"' in k))
-    assert copied > 0, m
+    assert accepted_by_source(before, m, "copy") + accepted_by_source(before, m, "both") > 0, m
