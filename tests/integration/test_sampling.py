@@ -49,7 +49,8 @@ N_CONTROL = 200  # the greedy rule is far off; fewer samples suffice
 # how its trees are grown, and a wrong tree there is a gross error, which the gross
 # control shows these tests catch at N_CONTROL draws. The reference sample is still 2N.
 N_PARALLEL = N_CONTROL
-N_SUBTLE = 600   # the unnormalised-siblings control (p = 3e-12 against 1,600 reference draws)
+N_SUBTLE = 600   # the unnormalised-siblings control (p = 3e-12 once against 1,600 reference
+                 # draws, when N was 800; the reference is 2N draws)
 ALPHA = 1e-3     # a p-value below this fails the test
 LENGTH = 4       # tokens per sample
 TREE = {"method": "eagle3_tree", "num_nodes": 12, "depth": 3, "top_k": 4, "adaptive": False}
