@@ -105,14 +105,19 @@ def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: i
     return float(stats.chi2.sf(statistic, dof)) if dof else 1.0
 
 
+def assert_homogeneous(a: list[tuple], b: list[tuple], label) -> None:
+    """Both homogeneity tests pass: draws ``b`` come from the distribution of ``a``."""
+    p = homogeneity_pvalue(a, b)
+    assert p > ALPHA, f"{label}: distributions of sequences differ (p={p:.2e})"
+    p = next_token_homogeneity_pvalue(a, b)
+    assert p > ALPHA, f"{label}: next-token distributions differ (p={p:.2e})"
+
+
 def assert_same_distributions(plain, tree, metrics, settings=SETTINGS):
     """Both homogeneity tests pass for every setting, and the trees were really
     used: drafts accepted beyond the first depth."""
     for setting, a, b in zip(settings, plain, tree, strict=True):
-        p = homogeneity_pvalue(a, b)
-        assert p > ALPHA, f"{setting}: distributions of sequences differ (p={p:.2e})"
-        p = next_token_homogeneity_pvalue(a, b)
-        assert p > ALPHA, f"{setting}: next-token distributions differ (p={p:.2e})"
+        assert_homogeneous(a, b, setting)
     assert metrics["mean_accept_len"] > 1.5, metrics
     assert metrics["per_depth_acceptance"][1] > 0.05, metrics
 
@@ -221,9 +226,7 @@ def test_hybrid_trees_sample_what_plain_sampling_does(target_dir, hybrid_prompt,
     tree, metrics = draw(target_dir, hybrid_prompt, SETTINGS[:1], N_HYBRID, engine_dir,
                          "hybrid_tree", seed=8, speculative_config=dict(
                              HYBRID_TREE, model=str(committed_drafter_dir())))
-    a, b = hybrid_plain[0], tree[0]
-    assert homogeneity_pvalue(a, b) > ALPHA
-    assert next_token_homogeneity_pvalue(a, b) > ALPHA
+    assert_homogeneous(hybrid_plain[0], tree[0], "hybrid tree")
     assert metrics["copy_accepted"] + metrics["shared_accepted"] > 0, metrics
     assert metrics["mean_accept_len"] > 1.3, metrics
 
