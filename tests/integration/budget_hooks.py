@@ -7,8 +7,9 @@ import types
 
 def record_plans(worker) -> bool:
     """collective_rpc target: record, at every drafting decision of this rank's
-    adaptive budget, the batch size, the depth it planned (0: speculation off)
-    and whether the step was a probe (``recorded_plans``)."""
+    adaptive budget, the batch size, the depth it planned (0: speculation off),
+    whether the step was a probe, and for a step that drafts, the decision's
+    inputs (``decision_inputs``) (``recorded_plans``)."""
     runner = worker.model_runner
     policy = runner.tree_policy
     plans = runner._recorded_plans = []
@@ -16,16 +17,32 @@ def record_plans(worker) -> bool:
 
     def plan_depth(batch):
         depth = original(batch)
-        plans.append((batch, depth, bool(policy.probing)))
+        inputs = decision_inputs(policy, batch, depth) if depth else None
+        plans.append((batch, depth, bool(policy.probing), inputs))
         return depth
 
     policy.plan_depth = plan_depth
     return True
 
 
-def recorded_plans(worker) -> list[tuple[int, int, bool]]:
-    """collective_rpc target: (batch, planned depth, probe) per decision, as
-    ``record_plans`` recorded them."""
+def decision_inputs(policy, batch: int, depth: int) -> dict[str, float]:
+    """What the budget priced drafting to ``depth`` from (``AdaptiveBudget._ratios``):
+    t(B), the verify step t(B(1 + n(d))), the drafting cost (with any branching
+    extra), the accepted drafts A(d) a request and the predicted ratio."""
+    chain = policy.chain_mode
+    n = depth if chain else min(float(policy.M), policy.nodes_at[depth - 1])
+    accepted = policy.chain_accepted_at if chain else policy.accepted_at
+    plain, verify = policy.step_cost(batch), policy.step_cost(batch * (1 + n))
+    ratio = policy.predicted_ratio(batch, depth, chain=chain)
+    gain = 1.0 + sum(accepted[:depth])
+    return {"t_plain": plain, "t_verify": verify, "nodes": n, "accepted": gain - 1.0,
+            "draft": gain * plain / ratio - verify if ratio else None, "ratio": ratio,
+            "chain": chain}
+
+
+def recorded_plans(worker) -> list[tuple[int, int, bool, dict | None]]:
+    """collective_rpc target: (batch, planned depth, probe, decision inputs) per
+    decision, as ``record_plans`` recorded them."""
     return list(getattr(worker.model_runner, "_recorded_plans", []))
 
 

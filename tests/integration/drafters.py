@@ -4,11 +4,13 @@
 format vLLM's ``LlamaForCausalLMEagle3`` loads: it exercises the real drafting
 code (first pass, tree levels, side-buffer attention) but rarely guesses right,
 so acceptance is tested with an oracle on top of it (see ``oracle``).
+``never_right_drafter`` is one whose drafts are never accepted, by construction.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -17,7 +19,10 @@ from safetensors.torch import save_file
 
 def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
                           draft_vocab: int = 4096, seed: int = 0,
-                          aux_layers: tuple[int, int, int] | None = None) -> Path:
+                          aux_layers: tuple[int, int, int] | None = None,
+                          draft_ids: Sequence[int] | None = None) -> Path:
+    """``draft_ids``: the target ids of the draft vocabulary, in order (default:
+    the first ``draft_vocab`` ids)."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tcfg = json.loads((target_dir / "config.json").read_text())
@@ -40,6 +45,8 @@ def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
                          "use_aux_hidden_state": True},
     }
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    ids = torch.tensor(list(draft_ids) if draft_ids is not None else range(draft_vocab))
+    assert ids.numel() == draft_vocab and ids.unique().numel() == draft_vocab
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape, scale=0.02):
@@ -59,10 +66,24 @@ def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
         "midlayer.mlp.down_proj.weight": w(d, inter),
         "norm.weight": torch.ones(d),
         "lm_head.weight": w(draft_vocab, d, scale=1.0),
-        # Draft id i is target id i (offsets 0): the first draft_vocab tokens.
-        "d2t": torch.zeros(draft_vocab, dtype=torch.long),
-        "t2d": torch.arange(vocab) < draft_vocab,
+        # Draft id i is target id ids[i] = i + d2t[i].
+        "d2t": ids - torch.arange(draft_vocab),
+        "t2d": torch.isin(torch.arange(vocab), ids),
     }
     save_file({k: v.contiguous() for k, v in tensors.items()},
               str(out_dir / "model.safetensors"))
     return out_dir
+
+
+def never_right_drafter(target_dir: str | Path, out_dir: str | Path,
+                        outputs: Iterable[Sequence[int]], draft_vocab: int = 4096) -> Path:
+    """A random head whose draft vocabulary holds no token of ``outputs``.
+
+    Greedy verification accepts a draft only where it equals the token the
+    target outputs there, so for requests whose greedy answers are ``outputs``
+    (a test asserts they are) no draft of this head is ever accepted: its
+    acceptance is 0 by construction, not by the luck of random weights."""
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    used = {t for out in outputs for t in out}
+    ids = [t for t in range(vocab - 1, -1, -1) if t not in used][:draft_vocab]
+    return random_eagle3_drafter(target_dir, out_dir, draft_vocab, draft_ids=sorted(ids))

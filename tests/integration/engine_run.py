@@ -16,13 +16,16 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "slow_rank": {"rank", "factor"} | null (that tensor-parallel rank's clock runs
        factor times slow; every rank records its planned depths),
        "record_plans": bool (the adaptive budget's decisions, rank 0's),
+       "scheduler_pads_drafts": bool (vLLM's -1 placeholder padding of joining
+                                 requests restored: scheduling.disable_draft_padding undone),
        "chunk_faults": {"control_pad_locals": int} | null (page faults inside the
        runner's fresh-chunk entries, see oracle.count_chunk_faults)}
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "proposals": {"prompt hash@root position": [draft tokens]} | null,
        "planned_depths": [[depth per drafting step] per rank] | null (with "slow_rank"),
-       "plans": [[batch, planned depth, probe] per drafting step] | null (with "record_plans"),
+       "plans": [[batch, planned depth, probe, decision inputs] per drafting step] | null
+                (with "record_plans"; inputs: budget_hooks.decision_inputs, null when off),
        "chunk_faults": {"shipped"|"control": [faults per execute_model]} | null,
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
        "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
@@ -81,6 +84,9 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(budget_hooks.record_plans)
     if spec.get("vllm_zero_drafts") and tree_mode:
         llm.collective_rpc(oracle.restore_vllm_zero_drafts)
+    if spec.get("scheduler_pads_drafts") and tree_mode:
+        # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = None
     sampling = SamplingParams(**spec["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     if spec.get("max_tokens_per_prompt"):  # requests finishing at different steps
@@ -111,7 +117,7 @@ def main(spec_path: str, out_path: str) -> None:
                     if spec.get("chunk_faults") is not None and tree_mode else None)
     plans = (llm.collective_rpc(budget_hooks.recorded_plans)
              if (spec.get("slow_rank") or spec.get("record_plans")) and tree_mode else None)
-    planned = [[d for _, d, _ in p] for p in plans] if plans and spec.get("slow_rank") else None
+    planned = [[d for _, d, *_ in p] for p in plans] if plans and spec.get("slow_rank") else None
     metrics = llm.get_metrics()
 
     def counter(name: str) -> float:

@@ -53,7 +53,11 @@ def test_one_wide_parallel_tree_drafts_what_stock_parallel_drafting_drafts(
     assert one_wide["proposals"] == stock["proposals"]
     assert stock["outputs"] == one_wide["outputs"] == tree["outputs"] == plain
     assert runs["adaptive"]["outputs"] == plain
-    assert runs["adaptive"]["tree"]["trees"] > 0, runs["adaptive"]["tree"]  # it did draft
+    # It did draft. Holds on any supported CPU: a fresh budget drafts while
+    # verifying 2 tokens a request costs under ~1.45x one (its acceptance prior),
+    # and in a 135M model's forward 6 tokens cost about 1.1-1.3x 3 (the startup
+    # sweeps logged under benchmarks/results time 16 tokens at 1.2-1.9x 4).
+    assert runs["adaptive"]["tree"]["trees"] > 0, runs["adaptive"]["tree"]
     spec = dict(one_wide["spec_decode"])
     assert not any(spec["accepted_per_pos"][K:])  # vLLM sizes it by the node budget
     spec["accepted_per_pos"] = spec["accepted_per_pos"][:K]

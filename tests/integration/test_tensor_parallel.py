@@ -167,6 +167,12 @@ def test_tp2_tree_server_answers_as_the_tp2_plain_server(adaptive, tp_pair, tp_p
     finally:
         stop_and_assert_nothing_left(server, busy=adaptive)
     assert got == reference
+    # Timing-dependent for the adaptive server, and holds on any supported CPU:
+    # a fresh budget prices depth 1 at 1.5 tokens a request (its acceptance
+    # prior) and drafts while verifying 2 tokens a request costs under ~1.45x
+    # one; in a 135M model's forward it costs about 1.1-1.3x (the 44 startup
+    # sweeps logged under benchmarks/results time 16 tokens at 1.2-1.9x 4).
+    # Otherwise its probes would draft every 32-256 steps.
     assert metric_sum(m, "vllm_treespec:trees_total") > 0, m
     # Real acceptance, not a budget that turned speculation off (the adaptive
     # budget drafts short chains here: a TP = 2 verify on two cores is dear).
@@ -194,6 +200,7 @@ def test_a_slow_rank_plans_the_same_depths(tp_pair, tokenizer, engine_dir):
                      engine_dir, "tp2_slow_rank", extra_env=TP_ENV)
     rank0, rank1 = out["planned_depths"]
     assert rank0 == rank1 and len(rank0) > 20
+    # Holds on any supported CPU: see test_tp2_tree_server_answers_as_the_tp2_plain_server.
     assert max(rank0) > 0, "the budget never drafted"
 
 

@@ -133,13 +133,13 @@ def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(mon
     from vllm_treespec.vllm_glue.tree_sampler import _scaled, _seeded_draw, plain_step_sampler
 
     drawn = []
-    real = tree_sampler._seeded_draw
+    real = tree_sampler._seeded_draws
 
-    def counting(op, x, k, p, seed, index):
-        drawn.append(index)
-        return real(op, x, k, p, seed, index)
+    def counting(op, x, k, p, seeds, indices):
+        drawn.extend(indices)
+        return real(op, x, k, p, seeds, indices)
 
-    monkeypatch.setattr(tree_sampler, "_seeded_draw", counting)
+    monkeypatch.setattr(tree_sampler, "_seeded_draws", counting)
     step, spec_md, logits = _step_and_logits(torch.float32)
     md = _sampled_md([0.7, 1.0])
     logits[:5] /= 4  # flat enough that the draws decide
@@ -163,6 +163,33 @@ def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(mon
                                       None if p is None else p[0], seed,
                                       11 + int(tree.depth[0, node]))
     assert acc.tokens[0].tolist() == greedy_accept(tree, every).tokens[0].tolist()
+
+
+def test_seeded_trees_batched_draw_what_each_node_drawn_alone_draws():
+    """Two seeded trees: each depth's draws go to vLLM's op in one call, and each
+    tree accepts what the op, called for every node on its own, picks."""
+    from vllm_treespec.bench.tree_reference import processed_node_logits
+    from vllm_treespec.vllm_glue.tree_sampler import _scaled, _seeded_draw, plain_step_sampler
+
+    step, spec_md, logits = _step_and_logits(torch.float32)
+    md = _sampled_md([0.7, 1.0])
+    logits[:] /= 4
+    processed, op = processed_node_logits(logits, step, md), plain_step_sampler(None)
+    accepted = 0
+    for seeds in ({0: 11, 1: 12}, {0: 13, 1: 14}, {0: 15, 1: 16}, {0: 17, 1: 18}):
+        _, acc = sample_with_trees(None, logits, spec_md, md, step, seeds)
+        accepted += int(acc.num_accepted.sum())
+        for b, seed in seeds.items():
+            tree = step.tree.take(torch.tensor([b]))
+            every = torch.full_like(tree.token, -1)
+            for node in range(int(tree.num_nodes[0]) + 1):
+                x, k, p = _scaled(processed[b, node].unsqueeze(0), md, step.req_index[b:b + 1])
+                every[0, node] = _seeded_draw(op, x[0], None if k is None else k[0],
+                                              None if p is None else p[0], seed,
+                                              int(step.prefix_len[b]) + 1
+                                              + int(tree.depth[0, node]))
+            assert acc.tokens[b].tolist() == greedy_accept(tree, every).tokens[0].tolist()
+    assert accepted > 0  # some walk went below a root, so the check bites
 
 
 def test_a_batch_of_sampled_trees_near_zero_temperature_accepts_the_greedy_paths():

@@ -280,6 +280,9 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
             if metric_sum(run.metrics, "vllm_treespec:draft_faults_total"):
                 violations.append(f"{name}: an injected invalid tree failed a whole drafting "
                                   f"step instead of its request's drafts")
+        placeholders = metric_sum(run.metrics, "vllm_treespec:placeholder_drafts_total")
+        if placeholders:  # a tree engine's scheduler pads no joining request (scheduling)
+            violations.append(f"{name}: {placeholders:.0f} placeholder drafts were verified")
         preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
         if not preemptions and not allow_no_preemption:
             violations.append(f"{name}: no request was preempted, so the soak did not "
@@ -306,6 +309,7 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
             "preemptions": preemptions,
             "trees": metric_sum(run.metrics, "vllm_treespec:trees_total"),
             "draft_faults": metric_sum(run.metrics, "vllm_treespec:draft_faults_total"),
+            "placeholder_drafts": placeholders,
             "invariant_dumps": run.dumps,
             "load": [load_stats(load, wall) for load, wall in zip(run.loads, run.load_walls)],
         }
@@ -328,9 +332,10 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
 def markdown(summary: dict, violations: list[str], args) -> str:
     lines = [f"# Soak: {args.requests} requests, concurrency {args.concurrency}, "
              f"KV cache {args.kv_tokens} tokens, seed {args.seed}", "",
-             "| server | violations | preemptions | trees | RSS growth after each pass | tok/s | TTFT p50/p99 ms "
+             "| server | violations | preemptions | trees | placeholder drafts "
+             "| RSS growth after each pass | tok/s (each pass) | TTFT p50/p99 ms "
              "| TPOT p50/p99 ms | greedy under load differ (plain vs plain) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in summary.items():
         load = s["load"][0]
         g = s.get("greedy_under_load")
@@ -339,10 +344,18 @@ def markdown(summary: dict, violations: list[str], args) -> str:
         rss = " / ".join(map(str, s["rss_mb"]["growth"]))
         limit = s["rss_mb"]["limit"]
         rss_limit = f" (<= {' / '.join(map(str, limit))})" if limit else ""
+        tok_s = " / ".join(str(p["tok_s"]) for p in s["load"])
         lines.append(f"| {name} | {s['violations']} | {s['preemptions']:.0f} | {s['trees']:.0f} | "
-                     f"{rss}{rss_limit} | {load['tok_s']} | {load['ttft_ms']['p50']} / "
+                     f"{s['placeholder_drafts']:.0f} | "
+                     f"{rss}{rss_limit} | {tok_s} | {load['ttft_ms']['p50']} / "
                      f"{load['ttft_ms']['p99']} | {load['tpot_ms']['p50']} / "
                      f"{load['tpot_ms']['p99']} | {greedy} |")
+    plain = [p["tok_s"] for p in summary["plain"]["load"]] if "plain" in summary else []
+    if plain:
+        mean = sum(plain) / len(plain)
+        lines += ["", "tok/s of the first pass against the mean of plain vLLM's passes: " + ", ".join(
+            f"{name} {s['load'][0]['tok_s'] / mean:.3f}x" for name, s in summary.items()
+            if name != "plain")]
     lines += ["", f"**{'PASS' if not violations else 'FAIL'}**: {len(violations)} violation(s)"]
     lines += [f"- {v}" for v in violations[:50]]
     return "\n".join(lines) + "\n"

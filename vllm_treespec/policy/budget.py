@@ -12,7 +12,9 @@ and decides every step:
       R(d) = [B * (1 + A(d))] / [t(B * (1 + n(d))) + t_draft(d)]  /  [B / t(B)],
 
   where t(N) is the step time for N verified tokens (a piecewise-linear table
-  from a timing sweep at startup, refined online), t_draft(d) the measured drafting
+  from a timing sweep at startup, refined online; each side's sampling priced
+  apart and added: vLLM's sampler on a plain step, the tree sampler with its
+  acceptance on a verify step, both fitted live), t_draft(d) the measured drafting
   time (the drafter's first pass over the verified tokens, the step's fixed
   drafting work around it, and d - 1 levels of ``level_width(d)`` nodes per
   request), A(d) the accepted drafts per request
@@ -138,7 +140,9 @@ class AdaptiveBudget(BudgetEstimates):
         t = self.step_cost.costs(np.concatenate([[batch], (batch * (1 + nodes)).ravel()]))
         if t is None:
             return None
-        plain, verify = t[0], t[1:].reshape(D, 2)
+        # Sampling apart: a verify step's tree sampler against a plain step's.
+        plain_sampling, tree_sampling = self.sampling_costs(batch, (batch * (1 + nodes)).ravel())
+        plain, verify = t[0] + plain_sampling, (t[1:] + tree_sampling).reshape(D, 2)
         # Trees pay the branching extra as often as trees drafted there branched.
         verify[:, 0] += max(self.branch_cost, 0.0) * np.asarray(self.branch_at)
         # An off step skips the drafter entirely, so a drafting step pays its
@@ -199,7 +203,7 @@ class AdaptiveBudget(BudgetEstimates):
             best_d = min(self.D, best_d + 1)
             chain_mode = self.chains and (chain_mode or best_d == 1)
         self.last_depth, self.chain_mode = best_d, chain_mode
-        plain = self.step_cost(batch)
+        plain = self.plain_cost(batch)
         self._plan_rate = (best * batch / plain if best_d > 0 and not self.probing and plain
                            else None)
         return best_d
@@ -224,9 +228,10 @@ class AdaptiveBudget(BudgetEstimates):
         # Verified tokens a request so far: the root and a draft per depth drafted
         # (the first pass's and one per level); the next level adds one.
         now_n = B * (2 + levels_done)
-        more, now = self.step_cost(now_n + B), self.step_cost(now_n)
-        if level is None or more is None or now is None:
+        costs = self.verify_costs(B, np.array([now_n + B, now_n], dtype=np.float64))
+        if level is None or costs is None:
             return True
+        more, now = float(costs[0]), float(costs[1])
         # A few numbers: plain Python costs less than torch ops on them.
         gain = sum(min(self.kappa * math.exp(s), 1.0) for s in frontier_scores.flatten().tolist())
         return gain >= (level + max(more - now, 0.0)) * rate
@@ -235,9 +240,10 @@ class AdaptiveBudget(BudgetEstimates):
         """Fewest steps between probes while off such that a probe's extra cost
         (each request's first draft verified, drafted from a first pass over
         its token) stays under ``PROBE_SHARE`` of the steps' time."""
-        plain, probe = self.step_cost(batch), self.step_cost(2 * batch)
+        plain, probe = self.plain_cost(batch), self.verify_costs(batch, np.array([2.0 * batch]))
         if plain is None or probe is None:
             return 0
+        probe = float(probe[0])
         draft = (self.first_pass_cost(batch) or 0.0) + (self.draft_overhead(batch) or 0.0)
         gap = max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain)
         # Re-examined at least every few thousand steps, whatever the estimates say.
@@ -261,7 +267,9 @@ class AdaptiveBudget(BudgetEstimates):
             depth = min(self.last_depth, max_nodes)
             return torch.full((B,), depth, dtype=torch.long, device=dev), True
         m = min(max_nodes, scores.shape[1])
-        cost = self.step_cost.costs(B + np.arange(B * m + 1))  # a step verifying k nodes
+        cost = self.verify_costs(B, B + np.arange(B * m + 1))  # a step verifying k nodes
+        if cost is not None:
+            cost[0] = self.plain_cost(B)  # none: a plain step
         if cost is None:
             return torch.full((B,), max_nodes, dtype=torch.long, device=dev), False
         # A few dozen candidates a request: numpy, on the host, costs a fraction
@@ -290,7 +298,7 @@ class AdaptiveBudget(BudgetEstimates):
         ``base_gain - batch``), and the rate of the step that verifies them
         (tokens per second); ``branching``: copies would make chains branch,
         and pay the branching extra. Without a cost model, 0: verify them all."""
-        cost = self.step_cost.costs(batch + np.arange(base_nodes + q.size + 1))
+        cost = self.verify_costs(batch, batch + np.arange(base_nodes + q.size + 1))
         if cost is None:
             return 0.0, 0.0
         extra = max(self.branch_cost, 0.0) if branching else 0.0

@@ -42,6 +42,12 @@ class LinearFit:
             return sy / sw, 0.0
         b = (sxy * sw - sx * sy) / var
         a = (sy - b * sx) / sw
+        if a < 0:
+            # Nothing costs less than nothing at x = 0: a steep line through a
+            # narrow range of x (drafting seen at batches 7 and 8) extrapolated
+            # to zero below it, and drafting at batch 3 was priced free (issue
+            # 83's adaptive test, recorded). Through the origin instead.
+            return 0.0, max(sxy / sxx, 0.0)
         return a, max(b, 0.0)
 
     def __call__(self, x: float) -> float | None:
@@ -77,6 +83,18 @@ class StepCostTable:
     head, and a step-cost table that follows live steps by a shift (2026-11-28,
     AVX-512 machine): `eagle3_tree` level with the best stock chain at batch 1,
     1.03x plain at 16 requests").
+
+    The table never prices more tokens below fewer. After the sweep
+    (``finish_sweep``), each segment keeps at least the rise the sweep timed
+    across it: the sweep times clean forwards (best of several), and a live step
+    over more tokens does that work and more. So a live step that moves its
+    knots carries the knots on the side it moved toward along (one dearer than
+    the table raises those above it; one cheaper lowers those below). Without
+    that, per-step work that every step pays, plain or not, piled onto the knot
+    where live steps land: while speculation is off every step lands on the
+    plain step's knot (N = batch), and after 500 steps 6 ms above a sweep of
+    8 -> 30.0 ms, 12 -> 30.5, 16 -> 31.0 the table priced 12 tokens 0.4 ms
+    below 8, so drafting looked free (issue 83).
     """
 
     def __init__(self, rate: float = 0.02, shift_rate: float = 0.1):
@@ -84,6 +102,10 @@ class StepCostTable:
         self.shift_rate = shift_rate
         self.n: list[float] = []
         self.t: list[float] = []
+        # The sweep's knots (``finish_sweep``), and for each segment of the
+        # table the least rise it may have: the sweep's rise across it.
+        self._sweep: tuple[list[float], list[float]] | None = None
+        self._rise: list[float] = []
 
     def set_knot(self, n: float, seconds: float) -> None:
         if n in self.n:
@@ -92,10 +114,14 @@ class StepCostTable:
         i = bisect.bisect(self.n, n)
         self.n.insert(i, float(n))
         self.t.insert(i, seconds)
+        self._rise = [self._sweep_rise(a, b) for a, b in zip(self.n, self.n[1:])]
 
     def add(self, n: float, seconds: float) -> None:
         if not self.n or n < self.n[0] or n > self.n[-1]:
+            below = bool(self.n) and n < self.n[0]
             self.set_knot(n, seconds)
+            # The new end knot was measured: the knots beside it follow.
+            self._keep_order(self.n.index(n), dearer=below)
             return
         shift = self.shift_rate * self._bounded_error(n, seconds)
         self.t = [max(t + shift, 1e-6) for t in self.t]
@@ -105,6 +131,34 @@ class StepCostTable:
         err = self._bounded_error(n, seconds)
         self.t[lo] += self.rate * (1 - w) * err
         self.t[i] += self.rate * w * err
+        self._keep_order(lo if err > 0 else i, dearer=err > 0)
+
+    def finish_sweep(self) -> None:
+        """The startup sweep is in: lower knots timed in a stall
+        (``nondecreasing``), and keep each segment's rise as its least from now on."""
+        self.nondecreasing()
+        self._sweep = (list(self.n), list(self.t))
+        self._rise = [self._sweep_rise(a, b) for a, b in zip(self.n, self.n[1:])]
+
+    def _sweep_rise(self, a: float, b: float) -> float:
+        """What the sweep timed between N = a and N = b (a < b); 0 before it is
+        in and beyond its knots."""
+        if self._sweep is None:
+            return 0.0
+        ns, ts = self._sweep
+        return max(float(np.interp(b, ns, ts) - np.interp(a, ns, ts)), 0.0)
+
+    def _keep_order(self, k: int, dearer: bool) -> None:
+        """Restore every segment's least rise around knot ``k``, which live steps
+        just moved: a dearer knot raises the knots above it, a cheaper one
+        lowers those below (never under a microsecond)."""
+        t, rise = self.t, self._rise
+        if dearer:
+            for j in range(k + 1, len(t)):
+                t[j] = max(t[j], t[j - 1] + rise[j - 1])
+        else:
+            for j in range(k - 1, -1, -1):
+                t[j] = max(min(t[j], t[j + 1] - rise[j]), 1e-6)
 
     def _bounded_error(self, n: float, seconds: float) -> float:
         """``seconds`` minus the table's value at n, within -1/2 and +1 times that

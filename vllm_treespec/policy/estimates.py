@@ -4,12 +4,14 @@ costs, drafter calibration, acceptance by depth, and what its selections keep.
 The runner and the proposer feed these through the ``observe_*`` methods;
 ``AdaptiveBudget`` (``budget``) decides from them. The flags of the step in
 flight (``chain_mode``, ``probing``, ...) live here too: they say how a step's
-outcome is to be read. Pure Python.
+outcome is to be read. Pure Python and numpy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from vllm_treespec.policy.acceptance import ConditionalAcceptance
 from vllm_treespec.policy.costs import LinearFit, StepCostTable
@@ -30,7 +32,17 @@ class BudgetEstimates:
 
     def __init__(self, num_nodes: int, depth: int, width: int):
         self.M, self.D, self.K = num_nodes, depth, width
-        self.step_cost = StepCostTable()      # seconds for N verified tokens (no drafting)
+        # Seconds for N verified tokens: forward and the step's own work, neither
+        # drafting nor sampling.
+        self.step_cost = StepCostTable()
+        # Sampling, apart: vLLM's sampler on a plain step (vs its tokens, one a
+        # request) and the tree sampler with its acceptance (vs verified tokens).
+        # Under a mix of sampled requests (top-p, penalties, n > 1) accepting
+        # trees cost 13-62 % of the verify forward, a plain step's sampler far
+        # less; in the table, that difference went into the shift every step
+        # pays, plain or not, and was never priced (issue 83).
+        self.plain_sample_cost = LinearFit()
+        self.tree_sample_cost = LinearFit()
         self.level_cost = LinearFit()         # seconds per drafting level vs B*width
         # One-wide levels apart: a device may run them on another kernel (the
         # CPU: stock EAGLE chain steps on the paged cache, see paged_drafts).
@@ -107,8 +119,9 @@ class BudgetEstimates:
 
     # ---------------------------------------------------------------- observe
     def observe_step(self, num_tokens: int, seconds: float, branching: bool = False) -> None:
-        """Wall time of a decode/verify step (no prefill), drafting excluded;
-        ``branching``: some verified tree was not a chain."""
+        """Wall time of a decode/verify step (no prefill), drafting and sampling
+        excluded (``observe_sampling``); ``branching``: some verified tree was not
+        a chain."""
         if seconds <= 0 or num_tokens <= 0:
             return
         if branching:
@@ -142,6 +155,33 @@ class BudgetEstimates:
             chain = self.step_cost(self._branching_steps[0])
             if chain is not None:
                 self.branch_cost = self._branching_steps[1] - chain
+
+    def observe_sampling(self, num_tokens: int, seconds: float, tree: bool) -> None:
+        """Wall time of a decode/verify step's sampling (``observe_step``'s
+        seconds exclude it): the tree sampler's, acceptance included, or vLLM's
+        sampler on a step without trees."""
+        if num_tokens > 0 and seconds >= 0:
+            (self.tree_sample_cost if tree else self.plain_sample_cost).add(num_tokens, seconds)
+
+    def sampling_costs(self, batch: int, n: np.ndarray) -> tuple[float, np.ndarray]:
+        """Sampling seconds of a plain step of ``batch`` requests, and of verify
+        steps of ``n`` tokens each; 0 for both until both have been seen (one
+        without the other would price one side only)."""
+        plain, tree = self.plain_sample_cost(batch), self.tree_sample_cost.values(n)
+        if plain is None or tree is None:
+            return 0.0, np.zeros(np.shape(n))
+        return plain, tree
+
+    def plain_cost(self, batch: int) -> float | None:
+        """Seconds of a plain step: the table at ``batch`` and its sampling."""
+        t = self.step_cost(batch)
+        return None if t is None else t + self.sampling_costs(batch, np.zeros(0))[0]
+
+    def verify_costs(self, batch: int, n: np.ndarray) -> np.ndarray | None:
+        """Seconds of verify steps of ``n`` tokens for ``batch`` requests
+        (drafting excluded): the table and the tree sampler."""
+        t = self.step_cost.costs(n)
+        return None if t is None else t + self.sampling_costs(batch, n)[1]
 
     def observe_draft(self, first_pass_tokens: int, first_pass_s: float, levels: int,
                       nodes_forwarded: int, levels_s: float, batch: int = 0,

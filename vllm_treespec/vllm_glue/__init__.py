@@ -1,9 +1,10 @@
 """The only place that imports vLLM internals (vLLM 0.27.1 and 0.32.0; see ``versions``).
 
 ``install`` is called by the plugin entry point in every vLLM process. It only
-wraps the speculative-config translation; everything else is selected through
-the engine configuration (the worker class) when the method is ``eagle3_tree``,
-so stock methods run untouched.
+wraps the speculative-config translation and the scheduler's constructor (which
+turns draft padding off for tree engines, ``scheduling``); everything else is
+selected through the engine configuration (the worker class) when the method is
+``eagle3_tree``, so stock methods run untouched.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from types import ModuleType
 def install() -> None:
     # The vLLM version is checked when an eagle3_tree engine is configured
     # (``support.check_vllm_version``): stock methods stay usable on any version.
+    from vllm_treespec.vllm_glue.scheduling import patch_scheduler
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args, patch_model_runner_choice
 
     patch_engine_args()
     patch_model_runner_choice()
+    patch_scheduler()
 
 
 def forget_resolved_backends() -> None:

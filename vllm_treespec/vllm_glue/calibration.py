@@ -71,7 +71,7 @@ class StepCostCalibration:
         for n, seconds in rank_agreement.from_rank0(knots).items():
             policy.step_cost.set_knot(n, seconds)
         cost = policy.step_cost
-        cost.nondecreasing()
+        cost.finish_sweep()
         logger.info("eagle3_tree: step cost %s (adaptive budget)",
                     ", ".join(f"{int(n)} tok {1e3 * t:.1f} ms"
                               for n, t in zip(cost.n, cost.t) if n in (1, 4, 16, 64, 256)))

@@ -84,6 +84,7 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_tokens = 0
         self._step_is_decode = False
         self._step_branching = False  # some tree of this step is not a chain
+        self._step_sampling = (0.0, False)  # seconds, by the tree sampler (``_sample``)
         # Cache blocks past the scheduler's, for the attention backend's per-step
         # scratch (see _CPUDevice); none unless a device reserves them.
         self.tree_spare_blocks: list[int] = []
@@ -107,8 +108,11 @@ class TreeRunnerMixin(StepCostCalibration):
         policy = self.tree_policy
         if policy is not None and self._step_start is not None and self._step_is_decode:
             drafted = getattr(self.drafter, "last_draft_seconds", 0.0)
-            (seconds,) = rank_agreement.timings(time.perf_counter() - self._step_start - drafted)
+            sampled, tree = self._step_sampling
+            seconds, sampled = rank_agreement.timings(
+                time.perf_counter() - self._step_start - drafted - sampled, sampled)
             policy.observe_step(self._step_tokens, seconds, branching=self._step_branching)
+            policy.observe_sampling(self._step_tokens, sampled, tree)
         self._step_start = None
         metrics = getattr(self, "tree_metrics", None)
         return out if metrics is None else stats_channel.attach(out, metrics.take_payload)
@@ -166,6 +170,7 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_tokens = int(num_scheduled_tokens.sum())
         self._step_start = time.perf_counter()
         self._step_branching = False
+        self._step_sampling = (0.0, False)
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
             t0 = time.perf_counter()
@@ -391,12 +396,16 @@ class TreeRunnerMixin(StepCostCalibration):
             if spec_decode_metadata is not None and not any(
                     spec_decode_metadata.num_draft_tokens):
                 spec_decode_metadata = None
-            return super()._sample(logits, spec_decode_metadata)
+            t0 = time.perf_counter()
+            out = super()._sample(logits, spec_decode_metadata)
+            self._step_sampling = (time.perf_counter() - t0, False)
+            return out
         t0 = time.perf_counter()
         self.input_batch.update_async_output_token_ids()
         out, acc = sample_with_trees(self.sampler, logits, spec_decode_metadata,
                                      self.input_batch.sampling_metadata, step, seeds)
         t1 = time.perf_counter()
+        self._step_sampling = (t1 - t0, True)
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
         drafted = (outcome if self.drafter.copies is None

@@ -195,7 +195,7 @@ def node_probs(processed: torch.Tensor, step: VerifyStep, md, rows: torch.Tensor
     Top-k / top-p as ``top_k_top_p_probs`` (the same sets, found among each row's
     largest entries instead of a sort of the vocabulary, which costs far more a
     row; ``vllm_treespec/tree/nucleus.py``). Seeded rows do not come here: they sample with vLLM's own op
-    (``_seeded_draw``)."""
+    (``_seeded_draws``)."""
     x, k, p = _scaled(processed[rows, nodes], md, step.req_index[rows])
     return top_k_top_p_probs(x, k, p)
 
@@ -214,7 +214,7 @@ def seat_position_generators(generators: dict[int, torch.Generator],
 
     vLLM's sampler draws a seeded row's randomness from the request's generator,
     a stream advanced once per plain step; tree steps draw per position
-    (``_seeded_draw``). Keyed by position on every step, the draw of a position
+    (``_seeded_draws``). Keyed by position on every step, the draw of a position
     is the same whether a plain step or a tree step samples it, so a seeded
     request reproduces whatever the adaptive budget decides (off steps
     included). next_index[b]: the sequence index of row b's next token."""
@@ -236,20 +236,29 @@ def plain_step_sampler(sampler):
     return TopKTopPSampler()
 
 
+def _seeded_draws(op, x: torch.Tensor, k, p, seeds: list[int],
+                  indices: list[int]) -> torch.Tensor:
+    """[n] the tokens vLLM's sampler op draws for rows ``x`` [n, V] (after
+    temperature, with their top-k / top-p [n]) of requests seeded ``seeds`` at
+    sequence ``indices``: one call, each row on its own generator seated there,
+    as a plain step draws its seeded rows (each row's draw depends on its
+    generator alone: ``tests/unit/test_seeded_noise.py``)."""
+    gens = {j: torch.Generator(device=x.device).manual_seed(position_seed(s, i))
+            for j, (s, i) in enumerate(zip(seeds, indices))}
+    tokens, _ = op(x.clone(), gens, k, p)
+    return tokens.view(-1)
+
+
 def _seeded_draw(op, x: torch.Tensor, k, p, seed: int, index: int) -> int:
-    """The token vLLM's sampler op draws for one row at sequence ``index`` of a
-    request seeded ``seed`` (its generator seated there), from logits ``x`` [V]
-    after temperature, with its top-k / top-p."""
-    gen = torch.Generator(device=x.device).manual_seed(position_seed(seed, index))
-    tokens, _ = op(x.unsqueeze(0).clone(), {0: gen}, None if k is None else k.view(1),
-                   None if p is None else p.view(1))
-    return int(tokens.view(-1)[0])
+    """``_seeded_draws`` of one row ``x`` [V] (k, p: scalars or None)."""
+    return int(_seeded_draws(op, x.unsqueeze(0), None if k is None else k.view(1),
+                             None if p is None else p.view(1), [seed], [index])[0])
 
 
 def _seeded_acceptance(step: VerifyStep, seeded: list[tuple[int, int]], node_logits, md,
                        op, acc: Acceptance) -> Acceptance:
     """Sampled seeded requests accept with the sample a plain step would draw at
-    each position (``_seeded_draw``): their output depends on the seed alone, not
+    each position (``_seeded_draws``): their output depends on the seed alone, not
     on the trees or off steps the adaptive budget chose (timing-dependent).
     seeded: (tree row, the request's seed); only the nodes on the path the samples
     choose are processed."""
@@ -259,11 +268,11 @@ def _seeded_acceptance(step: VerifyStep, seeded: list[tuple[int, int]], node_log
     first = [int(step.prefix_len[i]) + 1 for i, _ in seeded]
 
     def draw(r: torch.Tensor, nodes: torch.Tensor, d: int) -> torch.Tensor:
+        # One call of vLLM's op for the depth's nodes, batched across requests.
         x, k, p = _scaled(node_logits[rows[r], nodes], md, step.req_index[rows[r]])
-        return torch.tensor([_seeded_draw(op, x[j], None if k is None else k[j],
-                                          None if p is None else p[j],
-                                          seed_of[int(i)], first[int(i)] + d)
-                             for j, i in enumerate(r.tolist())], device=dev)
+        at = r.tolist()
+        return _seeded_draws(op, x, k, p, [seed_of[i] for i in at],
+                             [first[i] + d for i in at]).to(dev).long()
 
     trees = step.tree.take(rows)
     return acc.put(rows, greedy_accept(trees, samples_on_path(trees, draw)))

@@ -28,7 +28,7 @@ integration tests have passed on it, see the README's support matrix):
     as plain ones (``TreeRunnerMixin._sample_tree_or_stock``);
   - the CPU sampler draws a seeded row with a fused Gumbel-max kernel seeded
     from the request's generator, no longer with Exp(1) noise from it: tree
-    steps draw seeded positions with vLLM's own op (``tree_sampler._seeded_draw``);
+    steps draw seeded positions with vLLM's own op (``tree_sampler._seeded_draws``);
   - the V2 model runner is the default where Triton runs: tree engines fall
     back to V1 (``spec_config.patch_model_runner_choice``).
 """

@@ -1,0 +1,57 @@
+"""The scheduler of a tree engine schedules the drafts a request has, never padding.
+
+vLLM's V1 scheduler (0.27.1 and 0.32.0, ``Scheduler.schedule``'s waiting loop)
+pads a request that joins a decode batch with one token to schedule (a one-token
+prompt; a resumed or fully prefix-cached request, which 0.32.0 pads even into an
+empty batch) to ``1 + num_speculative_tokens`` tokens: ``num_spec_tokens`` -1
+placeholder drafts, for uniform CUDA-graph shapes. A tree engine's
+``num_speculative_tokens`` is its node budget (up to 256), and nothing uses
+uniform shapes on our paths: every placeholder was forwarded and verified, and
+while the adaptive budget had speculation off, a joining request verified dozens
+of tokens where a plain server verifies one (issue 83: 10 of 33 soak windows).
+It also cost admissions: a request whose padded size did not fit the step's
+token budget waited.
+
+The scheduler skips that padding when dynamic speculative decoding gives it a
+per-batch-size draft count (``dynamic_sd_lookup``, read in exactly two places:
+that padding, and the draft count it hands the worker). A tree engine's
+scheduler gets a lookup that says ``num_spec_tokens`` at every batch size, so
+the count the worker sees is unchanged and the padding is off. The runner still
+replaces any placeholder it meets (``TreeRunnerMixin._replace_placeholder_drafts``)
+and counts it (``placeholder_drafts``), so a vLLM that pads some other way shows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def patch_scheduler() -> None:
+    """Wrap ``Scheduler.__init__`` (idempotent): tree engines' schedulers never pad."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__init__
+    if getattr(original, "_treespec_wrapped", False):
+        return
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        disable_draft_padding(self)
+
+    __init__._treespec_wrapped = True  # type: ignore[attr-defined]
+    Scheduler.__init__ = __init__
+
+
+def disable_draft_padding(scheduler: Any) -> bool:
+    """Turn ``scheduler``'s placeholder padding off if it schedules for a tree
+    engine; whether it did. A user's own dynamic lookup (not a tree engine's:
+    the tree keys replace it) is left alone."""
+    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
+    if tree_config_from_vllm(scheduler.vllm_config) is None:
+        return False
+    k = getattr(scheduler, "num_spec_tokens", 0)
+    if not k or getattr(scheduler, "dynamic_sd_lookup", False) is not None:
+        return False
+    scheduler.dynamic_sd_lookup = [k] * (scheduler.scheduler_config.max_num_seqs + 1)
+    return True
