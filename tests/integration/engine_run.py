@@ -28,6 +28,8 @@ OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | n
                 (with "record_plans"; inputs: budget_hooks.decision_inputs, null when off),
        "chunk_faults": {"shipped"|"control": [faults per execute_model]} | null,
        "seconds": float, "preemptions": int, "prefix_cache_hits": int,
+       "scheduler": {"lookahead": KV slots reserved past scheduled tokens,
+                     "pads_drafts": whether joining requests get placeholder drafts},
        "spec_decode": {"draft_tokens": int, "accepted_per_pos": [int] | null}}
 
 Each engine runs in a fresh process so tests never share vLLM global state.
@@ -119,6 +121,7 @@ def main(spec_path: str, out_path: str) -> None:
              if (spec.get("slow_rank") or spec.get("record_plans")) and tree_mode else None)
     planned = [[d for _, d, *_ in p] for p in plans] if plans and spec.get("slow_rank") else None
     metrics = llm.get_metrics()
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # in-process engine core
 
     def counter(name: str) -> float:
         return sum(getattr(m, "value", 0) for m in metrics if m.name == name)
@@ -132,6 +135,8 @@ def main(spec_path: str, out_path: str) -> None:
                    "planned_depths": planned,
                    "plans": plans[0] if plans and spec.get("record_plans") else None,
                    "preemptions": counter("vllm:num_preemptions"),
+                   "scheduler": {"lookahead": scheduler.num_lookahead_tokens,
+                                 "pads_drafts": scheduler.dynamic_sd_lookup is None},
                    "prefix_cache_hits": counter("vllm:prefix_cache_hits"),
                    "spec_decode": {
                        "draft_tokens": counter("vllm:spec_decode_num_draft_tokens"),

@@ -238,6 +238,8 @@ def test_one_token_requests_joining_a_decode_batch(target_dir, random_drafter, t
         padded = any(r["prefix_len"] == 0 for s in steps for r in s["requests"])
         assert padded == oracle, name
         assert (out["tree"]["placeholder_drafts"] > 0) == oracle, (name, out["tree"])
+        # KV reserved past the scheduled tokens: the tree's depth, not the node budget.
+        assert out["scheduler"]["lookahead"] == 6, out["scheduler"]
         # each verified node's draft probability, as the node selection saw it
         probs = [r["draft_probs"] for s in steps for r in s["requests"]]
         assert all(len(p) == r["nodes"] for p, r in

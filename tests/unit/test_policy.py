@@ -277,6 +277,24 @@ def test_probes_while_off_cost_at_most_their_share_of_the_time():
                for k, n in enumerate(probe_steps(free, 16, 600), 1))
 
 
+def test_a_probe_from_off_is_priced_with_the_drafter_catch_up_it_pays():
+    """A probe after an off stretch first catches the drafter up on what the
+    off steps deferred (one token a request a step, up to the store's bound):
+    served at 64 requests, drafting steps took 100-400 ms, mostly that. Priced,
+    probes come further apart, and further still the more is pending."""
+    def first_probe(pending, bound):
+        p = policy(per_token=0.003, accept=(0.0,) * 6)
+        p.probes.every = 32
+        if pending is not None:
+            for n in (256, 1024, 2048):
+                p.observe_catch_up(n, 0.0001 * n)  # 0.1 ms a token
+            p.catch_up_pending = lambda: (pending, bound)
+        return probe_steps(p, 16, 3000)[0]
+
+    unpriced, light, heavy = first_probe(None, 0), first_probe(0, 64), first_probe(2048, 4096)
+    assert unpriced < light < heavy
+
+
 def test_a_probe_verifies_the_chain_even_when_estimates_say_no():
     """Estimates gone wrong (kappa at its floor after an unlucky start) must be
     correctable: probe steps verify each request's chain to the probed depth."""

@@ -130,3 +130,23 @@ def test_only_a_server_frontend_that_loads_the_plugin_gets_payloads(monkeypatch)
     assert not _frontend_loads_stat_logger(EngineArgs(model="m"))  # offline LLMEngine
     monkeypatch.setattr(envs, "VLLM_PLUGINS", ["other"], raising=False)
     assert not _frontend_loads_stat_logger(AsyncEngineArgs(model="m"))
+
+
+def test_steps_without_trees_ride_with_the_next_tree_step():
+    """A plain step's forward and sampler times are counted (what a plain
+    server pays, beside the tree steps' stages), but a step without trees sends
+    no payload by itself, as a plain server's step sends none."""
+    from vllm_treespec.tree import TreeBatch
+
+    metrics = TreeMetrics(to_frontend=True)
+    for _ in range(3):
+        metrics.on_forward(0.020, None)
+        metrics.on_plain_sample(0.001)
+        assert metrics.take_payload() is None
+    tree = TreeBatch.from_parents([[5, 6, 7]], [[0, 0, 1]], tree_size=3, max_children=2)
+    step = types.SimpleNamespace(tree=tree, prepare_s=0.0)
+    metrics.on_verify(step, None, [1], 0.002, 0.001)
+    delta = metrics.take_payload()["delta"]
+    assert delta["plain_steps"] == 3 and delta["trees"] == 1
+    assert delta["plain_forward_s"] == pytest.approx(0.060)
+    assert delta["plain_sample_s"] == pytest.approx(0.003)

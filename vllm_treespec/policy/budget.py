@@ -239,13 +239,20 @@ class AdaptiveBudget(BudgetEstimates):
     def probe_cost_gap(self, batch: int) -> int:
         """Fewest steps between probes while off such that a probe's extra cost
         (each request's first draft verified, drafted from a first pass over
-        its token) stays under ``PROBE_SHARE`` of the steps' time."""
+        its token, after catching the drafter up on the deferred inputs) stays
+        under ``PROBE_SHARE`` of the steps' time."""
         plain, probe = self.plain_cost(batch), self.verify_costs(batch, np.array([2.0 * batch]))
         if plain is None or probe is None:
             return 0
         probe = float(probe[0])
         draft = (self.first_pass_cost(batch) or 0.0) + (self.draft_overhead(batch) or 0.0)
         gap = max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain)
+        if self.catch_up_pending is not None and self.catch_up_cost.coefficients() is not None:
+            # The probe also catches the drafter up on what the off steps until
+            # then deferred: a token a request a step, up to the store's bound.
+            pending, bound = self.catch_up_pending()
+            tokens = min(pending + batch * gap, bound)
+            gap += self.catch_up_cost(tokens) / (self.PROBE_SHARE * plain)
         # Re-examined at least every few thousand steps, whatever the estimates say.
         cap = 8 * ProbeSchedule.MAX_GAP * max(self.probes.every, 1)
         return math.ceil(min(gap, cap)) if math.isfinite(gap) else cap

@@ -43,6 +43,13 @@ class BudgetEstimates:
         # pays, plain or not, and was never priced (issue 83).
         self.plain_sample_cost = LinearFit()
         self.tree_sample_cost = LinearFit()
+        # Catching the drafter up on the inputs off steps deferred, vs tokens: a
+        # drafting step after a long off stretch pays it (served under load, up
+        # to 400 ms a step), and a probe from off is such a step.
+        self.catch_up_cost = LinearFit()
+        # () -> (deferred drafter inputs of the batch at hand, their bound); set
+        # by the proposer, read only when a probe from off is priced.
+        self.catch_up_pending = None
         self.level_cost = LinearFit()         # seconds per drafting level vs B*width
         # One-wide levels apart: a device may run them on another kernel (the
         # CPU: stock EAGLE chain steps on the paged cache, see paged_drafts).
@@ -162,6 +169,11 @@ class BudgetEstimates:
         sampler on a step without trees."""
         if num_tokens > 0 and seconds >= 0:
             (self.tree_sample_cost if tree else self.plain_sample_cost).add(num_tokens, seconds)
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """A drafting step forwarded ``tokens`` deferred drafter inputs."""
+        if tokens > 0 and seconds >= 0:
+            self.catch_up_cost.add(tokens, seconds)
 
     def sampling_costs(self, batch: int, n: np.ndarray) -> tuple[float, np.ndarray]:
         """Sampling seconds of a plain step of ``batch`` requests, and of verify

@@ -42,6 +42,11 @@ class Totals:
     copy_accepted: int = 0
     shared_accepted: int = 0
     copy_history_mismatches: int = 0  # requests whose history did not end at their root
+    # Steps without trees (speculation off, prefill): what a plain server pays,
+    # beside the tree steps' stages (counted with the next tree step).
+    plain_steps: int = 0
+    plain_forward_s: float = 0.0
+    plain_sample_s: float = 0.0
 
     def add_depths(self, counts: list[int]) -> None:
         if len(counts) > len(self.accepted_at_depth):
@@ -72,6 +77,11 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "forward_ms_per_step": 1e3 * t["forward_s"] / steps,
         "accept_ms_per_step": 1e3 * t["accept_s"] / steps,
         "commit_ms_per_step": 1e3 * t["commit_s"] / steps,
+        "plain_steps": t.get("plain_steps", 0),
+        "plain_forward_ms_per_step": 1e3 * t.get("plain_forward_s", 0.0)
+        / max(t.get("plain_steps", 0), 1),
+        "plain_sample_ms_per_step": 1e3 * t.get("plain_sample_s", 0.0)
+        / max(t.get("plain_steps", 0), 1),
     }
 
 
@@ -92,7 +102,10 @@ def format_summary(s: dict[str, Any]) -> str:
                 s["mean_accept_len"], s["mean_tree_size"],
                 ", ".join(f"{x:.2f}" for x in s["per_depth_acceptance"]),
                 s["draft_ms_per_step"], s["prepare_ms_per_step"], s["forward_ms_per_step"],
-                s["accept_ms_per_step"], s["commit_ms_per_step"])) + copied
+                s["accept_ms_per_step"], s["commit_ms_per_step"])) + copied + (
+        "; %d steps without trees: forward %.1f ms, sampling %.1f ms" % (
+            s["plain_steps"], s["plain_forward_ms_per_step"], s["plain_sample_ms_per_step"])
+        if s.get("plain_steps") else "")
 
 
 # Fallbacks that keep a step correct at a cost in speculation: counted (``/metrics``)
@@ -120,6 +133,7 @@ class TreeMetrics:
         self._last_log = time.monotonic()
         self._pending: dict[str, Any] | None = None
         self._forward_s = 0.0
+        self._plain = [0, 0.0, 0.0]  # steps without trees since the last tree step
         self._warned: set[str] = set()
 
     @classmethod
@@ -173,6 +187,25 @@ class TreeMetrics:
         if step is not None:
             for t in self._both():
                 t.forward_s += seconds
+        else:
+            self._plain[0] += 1
+            self._plain[1] += seconds
+
+    def on_plain_sample(self, seconds: float) -> None:
+        """vLLM's sampler on a step without trees."""
+        self._plain[2] += seconds
+
+    def _add_plain_steps(self) -> None:
+        """Steps without trees join the totals with the next tree step: a step
+        whose totals change sends a payload to the frontend, and a plain server's
+        step sends none (steps, forward seconds, sampling seconds)."""
+        steps, forward_s, sample_s = self._plain
+        if steps:
+            for t in self._both():
+                t.plain_steps += steps
+                t.plain_forward_s += forward_s
+                t.plain_sample_s += sample_s
+        self._plain = [0, 0.0, 0.0]
 
     def on_verify(self, step, acc, accepted: list[int], accept_s: float, commit_s: float,
                   req_ids=None) -> None:
@@ -184,6 +217,7 @@ class TreeMetrics:
         # accepted_at_depth[d]: trees that accepted at least d+1 drafts
         at_least = [sum(1 for x in accepted if x > d) for d in range(tree.max_depth)]
         chain = tree.is_chain
+        self._add_plain_steps()
         for t in self._both():
             t.steps += 1
             t.chain_steps += chain

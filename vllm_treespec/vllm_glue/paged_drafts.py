@@ -8,7 +8,7 @@ and attended by vLLM's native kernel (so no tree metadata at all):
 * one-wide levels: a tree level that forwards one node per request (the
   chain's tip) is a stock EAGLE chain step. Its position lies past the
   committed prefix, in a slot the scheduler reserved for the drafts
-  (``num_speculative_tokens`` lookahead = the node budget); the next step's
+  (lookahead = ``depth``: ``scheduling.reserve_tree_lookahead``); the next step's
   first pass (or catch-up) writes it again before it is read as prefix.
 
 A mixin of ``TreeEagleProposer`` (it needs vLLM's ``EagleProposer`` state: the

@@ -152,6 +152,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                      num_rejected_tokens_gpu=None, slot_mappings=None):
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
+        self._batch_req_ids = req_ids
+        if self.policy is not None and self.policy.catch_up_pending is None:
+            self.policy.catch_up_pending = self._catch_up_pending
         depth = self.policy.plan_depth(batch_size) if self.policy is not None \
             else self.tree_cfg.depth
         self.last_depth = depth
@@ -184,6 +187,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                                 first_rows, token_indices_to_sample.tolist())
             return self._finish_off_step(cad, req_ids, t0, next_token_ids[:batch_size])
         t_before_catch_up = time.perf_counter()
+        caught_before = self.catch_up_tokens
         if len(self.deferred):
             positions = self._get_positions(num_tokens)
             self._catch_up(cad, req_ids, positions[first_rows].tolist())
@@ -222,7 +226,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         # One node a level (the chain's tip): a stock EAGLE chain step, with the
         # native kernel over the paged cache (see _chain_level).
         chain_levels = (self.paged_chain_levels and dynamic and width_cap == 1
-                        and depth - 1 <= self.tree_cfg.num_nodes  # the scheduler's lookahead
+                        # the scheduler's lookahead (scheduling.reserve_tree_lookahead)
+                        and depth <= self.tree_cfg.depth
                         and max_prefix + depth - 2 < self.max_model_len)  # deepest tip
         t_levels = time.perf_counter()
         if self.slot_state is not None and not builder.done:  # one forward, all depths
@@ -299,13 +304,20 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             # and validation (a debugging mode) must not price speculation out.
             rest = ((time.perf_counter() - t0) - (t_first - t_before_catch_up) - levels_s
                     - check_s)
-            first_s, levels_s, rest = rank_agreement.timings(t_first - t_catch_up, levels_s, rest)
+            first_s, levels_s, rest, catch_up_s = rank_agreement.timings(
+                t_first - t_catch_up, levels_s, rest, t_catch_up - t_before_catch_up)
+            self.policy.observe_catch_up(self.catch_up_tokens - caught_before, catch_up_s)
             self.policy.observe_draft(num_tokens, first_s, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest,
                                       one_wide=(dynamic and width_cap == 1
                                                 and self.slot_state is None))
         return self._finish_step(drafts, t0)
+
+    def _catch_up_pending(self) -> tuple[int, int]:
+        """(Deferred drafter inputs of the batch at hand, their bound): what the
+        next drafting step would catch up (the budget prices probes with it)."""
+        return self.deferred.pending(self._batch_req_ids), self.deferred.max_tokens
 
     def _finish_off_step(self, cad, req_ids: list[str], t0: float,
                          roots: torch.Tensor) -> list[list[int]]:

@@ -399,6 +399,7 @@ class TreeRunnerMixin(StepCostCalibration):
             t0 = time.perf_counter()
             out = super()._sample(logits, spec_decode_metadata)
             self._step_sampling = (time.perf_counter() - t0, False)
+            self.tree_metrics.on_plain_sample(self._step_sampling[0])
             return out
         t0 = time.perf_counter()
         self.input_batch.update_async_output_token_ids()

@@ -112,7 +112,9 @@ class TreeStatLogger(StatLoggerBase):
             self.at_depth.labels(**self.labels, depth=str(d + 1)).inc(c)
         for stage, key in (("draft", "draft_s"), ("prepare", "prepare_s"),
                            ("verify_forward", "forward_s"),
-                           ("accept", "accept_s"), ("commit", "commit_s")):
+                           ("accept", "accept_s"), ("commit", "commit_s"),
+                           ("plain_forward", "plain_forward_s"),
+                           ("plain_sample", "plain_sample_s")):
             self.stage.labels(**self.labels, stage=stage).inc(max(0.0, delta[key]))
         trees = max(1, total["trees"])
         self.mean_len.set(total["emitted"] / trees)
