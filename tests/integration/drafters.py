@@ -87,3 +87,53 @@ def never_right_drafter(target_dir: str | Path, out_dir: str | Path,
     used = {t for out in outputs for t in out}
     ids = [t for t in range(vocab - 1, -1, -1) if t not in used][:draft_vocab]
     return random_eagle3_drafter(target_dir, out_dir, draft_vocab, draft_ids=sorted(ids))
+
+
+def speculators_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
+                               norm_before_residual: bool = False,
+                               speculative_tokens: int = 3, **random_kwargs) -> Path:
+    """``random_eagle3_drafter``'s head converted to the ``speculators`` format (what
+    ``speculators convert`` writes for an EAGLE-3 head, speculators 0.9.0): a
+    config.json with ``speculators_model_type`` / ``speculators_config`` (verifier:
+    ``target_dir``) and the decoder layer's sizes in ``transformer_layer_config``,
+    weights under ``layers.0.*`` instead of ``midlayer.*``, no ``embed_tokens``
+    (shared with the target). ``random_kwargs`` go to ``random_eagle3_drafter``.
+
+    ``norm_before_residual`` False computes what the original-layout head does
+    (vLLM's ``LlamaForCausalLMEagle3`` reads no such key and defaults to False);
+    published heads mostly set it True, and vLLM's speculators reader defaults an
+    absent one to True, so it is always written out."""
+    from safetensors.torch import load_file
+
+    out_dir = random_eagle3_drafter(target_dir, out_dir, **random_kwargs)
+    head = json.loads((out_dir / "config.json").read_text())
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    layer = {key: head[key] for key in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps",
+        "max_position_embeddings", "hidden_act", "tie_word_embeddings")}
+    layer.update(model_type="llama", attention_bias=False, mlp_bias=False,
+                 rope_parameters={"rope_theta": head["rope_theta"], "rope_type": "default"})
+    config = {
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
+                                  "speculative_tokens": speculative_tokens,
+                                  "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": str(target_dir),
+                         "architectures": target.get("architectures", [])}},
+        "draft_vocab_size": head["draft_vocab_size"],
+        "norm_before_residual": norm_before_residual, "norm_before_fc": False,
+        "fc_norm": False, "norm_output": False, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids":
+            head["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+        "embed_requires_grad": False, "tie_word_embeddings": False, "dtype": "float32",
+        "transformer_layer_config": layer,
+    }
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    weights = load_file(str(out_dir / "model.safetensors"))
+    save_file({k.replace("midlayer.", "layers.0.", 1): v for k, v in weights.items()},
+              str(out_dir / "model.safetensors"))
+    return out_dir

@@ -113,7 +113,8 @@ def test_the_shipped_drafter_fits_its_target():
     support.check_drafter(str(SHIPPED), SMOLLM2_TARGET)
 
 
-def test_a_hub_id_is_left_to_vllm():
+def test_a_hub_id_is_not_read_from_disk_when_the_speculative_config_is_made():
+    """Its config is checked once vLLM has resolved it (``test_glue_checks``, hub heads)."""
     support.check_drafter("someone/some-eagle3-head", SMOLLM2_TARGET)
 
 
@@ -224,17 +225,280 @@ def test_parallel_drafting_needs_a_head_trained_for_it(drafter_copy):
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=4)
 
 
-def test_a_speculators_format_config_is_read_one_level_down(drafter_copy):
-    config = json.loads((drafter_copy / "config.json").read_text())
-    layer = {k: config.pop(k) for k in ("hidden_size", "vocab_size")}
-    config.pop("target_hidden_size")
-    config["transformer_layer_config"] = layer
-    (drafter_copy / "config.json").write_text(json.dumps(config))
+def _as_speculators(drafter: Path, algorithm: str = "eagle3", **top) -> None:
+    """Rewrite the drafter's config.json in the speculators format (RedHatAI's
+    ``*-speculator.eagle3`` heads): the layer's fields under
+    ``transformer_layer_config``, the algorithm's at the top."""
+    config = json.loads((drafter / "config.json").read_text())
+    eagle = config.pop("eagle_config")
+    top = dict(draft_vocab_size=config.pop("draft_vocab_size"),
+               target_hidden_size=config.pop("target_hidden_size"),
+               eagle_aux_hidden_state_layer_ids=eagle["eagle_aux_hidden_state_layer_ids"],
+               **top)
+    if "pard_token" in config:
+        top.setdefault("mask_token_id", config.pop("pard_token"))
+    config.pop("architectures")
+    (drafter / "config.json").write_text(json.dumps(dict(
+        architectures=["Eagle3Speculator"], speculators_model_type=algorithm,
+        speculators_config={"algorithm": algorithm, "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}},
+        transformer_layer_config=config, **top)))
+
+
+def test_a_speculators_format_config_is_read_as_vllm_converts_it(drafter_copy):
+    _as_speculators(drafter_copy)
     support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
-    layer["vocab_size"] = 32000  # and a mismatch there is still caught
+    config = json.loads((drafter_copy / "config.json").read_text())
+    config["transformer_layer_config"]["vocab_size"] = 32000  # a mismatch there is caught
     (drafter_copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(TreeSpecConfigError, match="vocab_size 32000"):
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_speculators_parallel_head_names_its_token_mask_token_id(tmp_path):
+    """vLLM's converter maps a peagle head's mask_token_id to pard_token (refused
+    before: pard_token was read from the raw config.json only)."""
+    drafter = tmp_path / "peagle"
+    shutil.copytree(SHIPPED.parent / "smollm2-135m-peagle4", drafter)
+    _as_speculators(drafter, "peagle")
+    assert "mask_token_id" in json.loads((drafter / "config.json").read_text())
+    support.check_drafter(str(drafter), SMOLLM2_TARGET, parallel_depth=4)
+    config = json.loads((drafter / "config.json").read_text())
+    del config["mask_token_id"]
+    config["speculators_model_type"] = "eagle3"
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TreeSpecConfigError,
+                       match=r"no integer 'pard_token' \(speculators format: 'mask_token_id'\)"):
+        support.check_drafter(str(drafter), SMOLLM2_TARGET, parallel_depth=4)
+
+
+def _edit_weights(drafter: Path, **changes) -> None:
+    """Replace (a tensor) or drop (None) tensors of the drafter's weights."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(drafter / "model.safetensors")
+    for key, value in changes.items():
+        if value is None:
+            del weights[key]
+        else:
+            weights[key] = value
+    save_file(weights, drafter / "model.safetensors")
+
+
+def test_a_head_whose_fc_takes_four_auxiliary_layers_fits(drafter_copy):
+    """vLLM sizes fc for len(eagle_aux_hidden_state_layer_ids) target hidden states
+    (refused before: fc had to take exactly 3)."""
+    from safetensors.torch import load_file, save_file
+
+    _edit_config(drafter_copy, eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 10, 20, 27],
+                                             "use_aux_hidden_state": True},
+                 pard_token=0)
+    _edit_weights(drafter_copy, **{"fc.weight": torch.zeros(576, 4 * 576),
+                                   "mask_hidden": torch.zeros(1, 4 * 576)})
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=3)
+    weights = load_file(drafter_copy / "model.safetensors")
+    save_file(dict(weights, **{"fc.weight": torch.zeros(576, 3 * 576)}),
+              drafter_copy / "model.safetensors")
+    with pytest.raises(TreeSpecConfigError, match=r"fc.weight has shape \[576, 1728\]; .* needs "
+                                                  r"2304 inputs \(4 auxiliary layers x target "
+                                                  r"hidden size 576\)"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    save_file(dict(weights, mask_hidden=torch.zeros(1, 3 * 576)),
+              drafter_copy / "model.safetensors")
+    with pytest.raises(TreeSpecConfigError, match=r"mask_hidden has shape \[1, 1728\]; .* "
+                                                  r"needs 2304 values"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET, parallel_depth=3)
+
+
+@pytest.mark.parametrize("changes", [
+    {"num_aux_hidden_states": 4},                   # vLLM's llama_eagle3 reads the count
+    {"architectures": ["Eagle3Qwen3ForCausalLM"]},  # its qwen3_eagle3 counts top-level ids
+])
+def test_top_level_aux_layer_ids_fit_where_vllm_sizes_fc_for_them(drafter_copy, changes):
+    config = json.loads((drafter_copy / "config.json").read_text())
+    del config["eagle_config"]
+    config.update(eagle_aux_hidden_state_layer_ids=[2, 10, 20, 27], **changes)
+    (drafter_copy / "config.json").write_text(json.dumps(config))
+    _edit_weights(drafter_copy, **{"fc.weight": torch.zeros(576, 4 * 576)})
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_top_level_aux_layer_ids_vllm_would_size_fc_without_are_refused(drafter_copy):
+    """The target would send 4 hidden states to an fc vLLM's Eagle3LlamaForCausalLM
+    builds for 3 (it counts eagle_config's ids only): a shape error mid-load before."""
+    config = json.loads((drafter_copy / "config.json").read_text())
+    del config["eagle_config"]
+    config["eagle_aux_hidden_state_layer_ids"] = [2, 10, 20, 27]
+    (drafter_copy / "config.json").write_text(json.dumps(config))
+    _edit_weights(drafter_copy, **{"fc.weight": torch.zeros(576, 4 * 576)})
+    with pytest.raises(TreeSpecConfigError, match=r"eagle_aux_hidden_state_layer_ids \[2, 10, 20, "
+                                                  r"27\] .* sends 4 hidden states, but vLLM's "
+                                                  r"LlamaForCausalLMEagle3 sizes fc for 3 .*"
+                                                  r"allowed: num_aux_hidden_states 4"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_head_narrower_than_its_target_is_sized_by_target_hidden_size(drafter_copy):
+    """fc takes target_hidden_size-wide states and gives the head's own width."""
+    _edit_config(drafter_copy, hidden_size=64, target_hidden_size=576)
+    _edit_weights(drafter_copy, **{"fc.weight": torch.zeros(64, 3 * 576)})
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    _edit_weights(drafter_copy, **{"fc.weight": torch.zeros(64, 3 * 64)})
+    with pytest.raises(TreeSpecConfigError, match=r"needs 1728 inputs \(3 auxiliary layers x "
+                                                  r"target hidden size 576\)"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    _edit_config(drafter_copy, target_hidden_size=960)
+    with pytest.raises(TreeSpecConfigError, match=r"config.json target_hidden_size 960\); "
+                                                  r"allowed: the target's hidden_size 576"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+@pytest.mark.parametrize("draft_vocab", [{"draft_vocab_size": 49152}, {"draft_vocab_size": None}])
+def test_a_full_vocabulary_head_without_d2t_fits(drafter_copy, draft_vocab):
+    _edit_config(drafter_copy, **draft_vocab)  # None: vLLM's default, the head's vocab_size
+    _edit_weights(drafter_copy, d2t=None, t2d=None,
+                  **{"lm_head.weight": torch.zeros(49152, 576)})
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_reduced_vocabulary_head_without_d2t_is_refused(drafter_copy):
+    """vLLM would keep its all-zero map: draft token i drafts target token i, the
+    first 8192 tokens only, which the injectivity check passes (served silently
+    before)."""
+    _edit_weights(drafter_copy, d2t=None)
+    with pytest.raises(TreeSpecConfigError, match=r"draft_vocab_size 8192 in config.json, the "
+                                                  r"target's vocab_size 49152, and no 'd2t' "
+                                                  r"tensor .*allowed: a d2t map"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_draft_vocabulary_map_of_another_length_is_refused(drafter_copy):
+    _edit_weights(drafter_copy, d2t=torch.zeros(4096, dtype=torch.long))
+    with pytest.raises(TreeSpecConfigError, match=r"d2t has 4096 entries; allowed: 8192"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def _as_bin(drafter: Path, name: str = "pytorch_model.bin") -> Path:
+    """The original EAGLE-3 releases' layout: one pytorch_model.bin, no safetensors."""
+    from safetensors.torch import load_file
+
+    weights = load_file(drafter / "model.safetensors")
+    (drafter / "model.safetensors").unlink()
+    torch.save(weights, drafter / name)
+    torch.save({"not": "weights"}, drafter / "training_args.bin")  # skipped, as vLLM does
+    return drafter / name
+
+
+def test_a_bin_only_checkpoint_gets_the_same_weight_checks(drafter_copy):
+    """fc, d2t and mask_hidden of a .bin checkpoint are checked (skipped before)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(drafter_copy / "model.safetensors")
+    file = _as_bin(drafter_copy)
+    support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    for changes, needle in [
+        ({"fc.weight": torch.zeros(576, 3 * 960)}, r"fc.weight has shape \[576, 2880\]"),
+        ({"d2t": torch.zeros(8192, dtype=torch.long).index_fill_(0, torch.tensor([7]), -4)},
+         r"d2t maps draft tokens \[3, 7\] all to target token 3"),
+    ]:
+        torch.save(dict(weights, **changes), file)
+        with pytest.raises(TreeSpecConfigError, match=rf"pytorch_model.bin'.*{needle}"):
+            support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    torch.save({k: v for k, v in weights.items() if k != "d2t"}, file)
+    with pytest.raises(TreeSpecConfigError, match="no 'd2t' tensor"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+    torch.save(weights, file)
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+    with pytest.raises(TreeSpecConfigError, match="pytorch_model.bin.*not a readable PyTorch"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+def test_a_bin_checkpoint_that_would_run_code_on_load_is_refused(drafter_copy):
+    file = _as_bin(drafter_copy)
+    torch.save({"fc.weight": torch.zeros(576, 1728), "hook": SimpleNamespace()}, file)
+    with pytest.raises(TreeSpecConfigError, match="pytorch_model.bin.*not a readable PyTorch"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
+# --- a head named by hub id: checked on the config vLLM resolves, before weights load ---
+
+def _hub_engine(drafter: Path, draft: str = "sequential", depth: int = 4):
+    """(engine config, tree config) as ``create_engine_config`` hands them to the
+    check for a head named by hub id: the draft hf_config built as vLLM builds it
+    (``get_config``; an eagle3 head not in the speculators format is wrapped in
+    ``EAGLEConfig``, as ``SpeculativeConfig`` does), from ``drafter``'s config.json."""
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+    from vllm.transformers_utils.configs.speculators import SpeculatorsConfig
+
+    from vllm_treespec.config import TreeSpecConfig
+
+    hf_config = get_config(str(drafter), trust_remote_code=False)
+    if not isinstance(hf_config, SpeculatorsConfig):
+        hf_config = EAGLEConfig(hf_config, method="eagle3", model_type="eagle")
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(
+        model="someone/smollm2-eagle3-head", hf_config=hf_config))
+    engine = SimpleNamespace(speculative_config=spec,
+                             model_config=SimpleNamespace(hf_text_config=SMOLLM2_TARGET))
+    return engine, TreeSpecConfig.from_dict({"draft": draft, "depth": depth})
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+def test_a_hub_head_that_fits_its_target_passes(drafter_copy, layout):
+    from vllm_treespec.vllm_glue.spec_config import check_resolved_drafter
+
+    if layout == "speculators":
+        _as_speculators(drafter_copy)
+    check_resolved_drafter(*_hub_engine(drafter_copy))
+
+
+@pytest.mark.parametrize("layout", ["eagle3", "speculators"])
+@pytest.mark.parametrize("changes, needle", [
+    # a head for SmolLM2-360M (hidden 960, 15 heads)
+    ({"target_hidden_size": 960, "hidden_size": 960, "num_attention_heads": 15,
+      "num_key_value_heads": 5},
+     "hidden states of size 960 (config.json target_hidden_size 960); allowed: the "
+     "target's hidden_size 576"),
+    ({"eagle_aux_hidden_state_layer_ids": [2, 15, 31]},
+     "eagle_aux_hidden_state_layer_ids [2, 15, 31] in config.json; the target has layers 0..29"),
+    ({"vocab_size": 32000}, "vocab_size 32000 in config.json; the target's vocab_size is 49152"),
+])
+def test_a_hub_head_for_another_target_is_refused_before_weights_load(drafter_copy, layout,
+                                                                      changes, needle):
+    """A hub id used to get no checks before loading: a head for another target with
+    matching tensor shapes loaded and drafted garbage."""
+    from vllm_treespec.vllm_glue.spec_config import check_resolved_drafter
+
+    config = json.loads((drafter_copy / "config.json").read_text())
+    if "eagle_aux_hidden_state_layer_ids" in changes:
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = \
+            changes["eagle_aux_hidden_state_layer_ids"]
+    else:
+        config.update(changes)
+    (drafter_copy / "config.json").write_text(json.dumps(config))
+    if layout == "speculators":
+        _as_speculators(drafter_copy)
+    with pytest.raises(TreeSpecConfigError) as err:
+        check_resolved_drafter(*_hub_engine(drafter_copy))
+    assert needle in str(err.value) and "'someone/smollm2-eagle3-head'" in str(err.value), \
+        err.value
+
+
+def test_a_hub_parallel_head_is_checked_for_its_token_and_slots(tmp_path):
+    from vllm_treespec.vllm_glue.spec_config import check_resolved_drafter
+
+    drafter = tmp_path / "peagle"
+    shutil.copytree(SHIPPED.parent / "smollm2-135m-peagle4", drafter)
+    check_resolved_drafter(*_hub_engine(drafter, "parallel", depth=4))
+    with pytest.raises(TreeSpecConfigError, match=r"'depth' has invalid value 5; allowed: an "
+                                                  r"integer in \[1, 4\]"):
+        check_resolved_drafter(*_hub_engine(drafter, "parallel", depth=5))
+    _as_speculators(drafter, "peagle")  # mask_token_id, which vLLM maps to pard_token
+    check_resolved_drafter(*_hub_engine(drafter, "parallel", depth=4))
+    with pytest.raises(TreeSpecConfigError, match="no integer 'pard_token'"):
+        check_resolved_drafter(*_hub_engine(SHIPPED, "parallel", depth=4))
 
 
 def test_every_layer_must_run_the_tree_backend():

@@ -1,8 +1,9 @@
 """The only place that imports vLLM internals (vLLM 0.27.1 and 0.32.0; see ``versions``).
 
 ``install`` is called by the plugin entry point in every vLLM process. It only
-wraps the speculative-config translation and the scheduler's constructor (which
-turns draft padding off for tree engines, ``scheduling``); everything else is
+wraps the speculative-config translation, vLLM's override for a served
+speculators-format head (``speculators``) and the scheduler's constructor (draft
+padding and lookahead for tree engines, ``scheduling``); everything else is
 selected through the engine configuration (the worker class) when the method is
 ``eagle3_tree``, so stock methods run untouched.
 """
@@ -19,10 +20,12 @@ def install() -> None:
     # (``support.check_vllm_version``): stock methods stay usable on any version.
     from vllm_treespec.vllm_glue.scheduling import patch_scheduler
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args, patch_model_runner_choice
+    from vllm_treespec.vllm_glue.speculators import patch_speculators_override
 
     patch_engine_args()
     patch_model_runner_choice()
     patch_scheduler()
+    patch_speculators_override()  # after patch_engine_args: wraps its create_engine_config
 
 
 def forget_resolved_backends() -> None:

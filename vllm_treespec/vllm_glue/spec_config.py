@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
@@ -201,6 +200,18 @@ def patch_model_runner_choice() -> None:
     VllmConfig._get_v2_model_runner_unsupported_features = unsupported
 
 
+def check_resolved_drafter(vllm_config: Any, tree: TreeSpecConfig) -> None:
+    """The drafter's config as vLLM resolved it (the draft ``hf_config``, before any
+    process loads weights) fits the target. This is the check a head named by hub id
+    gets (``support.check_drafter`` reads local config.json files only, when the
+    speculative config is made); a local head gets it again, on the config vLLM
+    will build the drafter from (a redirected or downloaded model path too)."""
+    draft = vllm_config.speculative_config.draft_model_config
+    support.check_drafter_config(
+        draft.model, draft.hf_config.to_dict(), vllm_config.model_config.hf_text_config,
+        parallel_depth=tree.depth if tree.draft == "parallel" else None)
+
+
 def patch_engine_args() -> None:
     """Wrap ``EngineArgs.create_speculative_config`` and ``create_engine_config``
     (idempotent)."""
@@ -243,10 +254,7 @@ def patch_engine_args() -> None:
         tree = tree_config_from_vllm(config)
         if tree is not None:
             support.check_engine(config, tree.num_nodes)
-            draft = config.speculative_config.draft_model_config
-            if tree.draft == "parallel" and not Path(draft.model).expanduser().is_dir():
-                # A hub drafter: check_drafter could not read its config.json earlier.
-                support.check_parallel_head(draft.model, draft.hf_config.to_dict(), tree.depth)
+            check_resolved_drafter(config, tree)
         return config
 
     create_speculative_config._treespec_wrapped = True  # type: ignore[attr-defined]

@@ -6,9 +6,10 @@ Everything that reads those slots some other way would be silently wrong, so
 each such feature is refused here with a message that names it:
 
 * ``check_vllm_version``: the glue hooks vLLM internals of one release;
-* ``check_drafter``: a drafter checkpoint that cannot serve this target
-  (missing, unreadable, or shaped for another model), checked from its files
-  before vLLM reads them;
+* ``check_drafter`` / ``check_drafter_config`` (``drafter_checks``): a drafter
+  that cannot serve this target (missing, unreadable, or shaped for another
+  model), checked from its files or from the config vLLM resolves for a hub
+  head, before any weights load;
 * ``check_engine``: engine-level features, checked on the finished
   ``VllmConfig`` in the frontend, before any process loads a model;
 * ``check_attention_layer``: per-layer attention features, checked when the
@@ -24,14 +25,19 @@ the attention backends hand them vLLM's objects.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from pathlib import Path
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import versions
+from vllm_treespec.vllm_glue.drafter_checks import (  # noqa: F401 (re-exported)
+    NOT_A_PARALLEL_HEAD,
+    bad_drafter,
+    check_drafter,
+    check_drafter_config,
+    check_parallel_head,
+    check_token_map,
+)
 
 ALLOW_UNTESTED_ENV = "VLLM_TREESPEC_ALLOW_UNTESTED_VLLM"
 
@@ -81,135 +87,6 @@ def check_ascend_pairing(vllm_release: str, vllm_ascend: str | None,
     raise TreeSpecConfigError(
         f"eagle3_tree on Ascend: found {found}; supported: {supported}. Install that "
         f"pairing (docs/ascend.md), or set {ALLOW_UNTESTED_ENV}=1 to try anyway")
-
-
-NOT_A_PARALLEL_HEAD = ("no 'mask_hidden' tensor in its weights: not a parallel-drafting head "
-                       "(\"draft\": \"parallel\" needs one trained with `vllm-treespec "
-                       "train-drafter --parallel K`)")
-
-
-def bad_drafter(where: Path | str, what: str) -> TreeSpecConfigError:
-    return TreeSpecConfigError(f"eagle3_tree: drafter {str(where)!r}: {what}")
-
-
-def check_drafter(model: str, target: Any, parallel_depth: int | None = None) -> None:
-    """The drafter named by speculative-config ``model`` fits ``target`` (the
-    target's HF text config): without this, a wrong checkpoint fails mid-load
-    with a shape error, or loads and drafts from the wrong layers. A name that
-    is not a local path is a hub id, left to vLLM. With ``parallel_depth`` (the
-    tree depth of ``"draft": "parallel"``), the head must also have been trained
-    for parallel drafting, with at least that many slots."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        if path.exists() or path.is_absolute() or model.startswith((".", "~")):
-            raise TreeSpecConfigError(
-                f"eagle3_tree: speculative-config key 'model' has invalid value {model!r}; "
-                f"allowed: a directory holding an EAGLE-3 drafter (config.json and "
-                f"*.safetensors), or a hub model id")
-        return
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise bad_drafter(path / "config.json", f"unreadable ({e})") from None
-    # Speculators-format checkpoints keep the layer's sizes one level down.
-    layer = config.get("transformer_layer_config") or {}
-    hidden = (config.get("target_hidden_size") or config.get("hidden_size")
-              or layer.get("hidden_size"))
-    if hidden != target.hidden_size:
-        raise bad_drafter(path, f"trained on hidden states of size {hidden} "
-                                f"(config.json target_hidden_size / hidden_size); the "
-                                f"target's hidden_size is {target.hidden_size}")
-    layer_ids = config.get("eagle_aux_hidden_state_layer_ids") or (
-        config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = target.num_hidden_layers
-    if layer_ids is not None and not all(
-            isinstance(i, int) and 0 <= i < layers for i in layer_ids):
-        raise bad_drafter(path, f"eagle_aux_hidden_state_layer_ids {layer_ids} in "
-                                f"config.json; the target has layers 0..{layers - 1}")
-    vocab = config.get("vocab_size") or layer.get("vocab_size")
-    if vocab != target.vocab_size:
-        raise bad_drafter(path, f"vocab_size {vocab} in config.json; "
-                                f"the target's vocab_size is {target.vocab_size}")
-    if parallel_depth is not None:
-        check_parallel_head(path, config, parallel_depth)
-    files = sorted(path.glob("*.safetensors"))
-    if not files and not any(path.glob("*.bin")):
-        raise bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
-    masks = [_check_drafter_weights(file, 3 * hidden, target.vocab_size) for file in files]
-    if parallel_depth is not None and not any(m is not None for m in masks):
-        raise bad_drafter(path, NOT_A_PARALLEL_HEAD)
-
-
-def check_parallel_head(path: Path | str, config: dict, depth: int) -> None:
-    """A drafter's config (config.json as a dict) trained for parallel drafting with
-    at least ``depth`` slots (also run on a hub drafter's config once vLLM has it)."""
-    pard = config.get("pard_token")
-    if isinstance(pard, bool) or not isinstance(pard, int):
-        raise bad_drafter(path, "no integer 'pard_token' in config.json: not trained for "
-                                "parallel drafting; use \"draft\": \"sequential\" or a head "
-                                "trained with `vllm-treespec train-drafter --parallel K`")
-    slots = config.get("parallel_drafting_slots")
-    if isinstance(slots, int) and not isinstance(slots, bool) and depth > slots:
-        raise TreeSpecConfigError(
-            f"eagle3_tree: speculative-config key 'depth' has invalid value {depth}; allowed: "
-            f"an integer in [1, {slots}] (the drafter {str(path)!r} was trained for "
-            f"{slots} parallel-drafting slots)")
-
-
-def _check_drafter_weights(file: Path, fc_inputs: int, vocab: int) -> Any:
-    """Readable (a truncated copy fails here), fc sized for three target hidden
-    states, every draft token mapped (``d2t``) into the target vocabulary, and a
-    parallel-drafting state (``mask_hidden``, returned) sized like fc's input."""
-    import torch
-    from safetensors import safe_open
-
-    try:
-        with safe_open(file, "pt") as weights:
-            keys = set(weights.keys())
-            fc = weights.get_slice("fc.weight").get_shape() if "fc.weight" in keys else None
-            d2t = weights.get_tensor("d2t") if "d2t" in keys else None
-            mask = (weights.get_slice("mask_hidden").get_shape() if "mask_hidden" in keys
-                    else None)
-    except Exception as e:  # safetensors raises its own error types
-        raise bad_drafter(file, f"not a readable safetensors file ({e}); copy or "
-                                f"export the drafter again") from None
-    if fc is not None and fc[-1] != fc_inputs:
-        raise bad_drafter(file, f"fc.weight has shape {list(fc)}; an EAGLE-3 drafter of "
-                                f"this target needs {fc_inputs} inputs (3 x hidden_size)")
-    if d2t is not None:
-        check_token_map(torch.arange(d2t.numel()) + d2t.flatten(), vocab, file)
-    if mask is not None and math.prod(mask) != fc_inputs:
-        raise bad_drafter(file, f"mask_hidden has shape {list(mask)}; a parallel-drafting "
-                                f"head of this target needs {fc_inputs} values")
-    return mask
-
-
-def check_token_map(target_ids: Any, vocab: int, where: Path | str) -> None:
-    """A drafter's vocabulary map (``target_ids[i]``: the target token of draft
-    token i, i.e. ``i + d2t[i]``) lands in the target vocabulary and is
-    injective. The tree builder takes a node's children as the top-k draft
-    tokens mapped through it: two draft tokens of one target token would be two
-    siblings carrying the same token, and lossless acceptance at T > 0 needs
-    distinct siblings (the second would be tried against a residual that has
-    already removed its token)."""
-    import torch
-
-    ids = torch.as_tensor(target_ids).flatten().long().cpu()
-    if not ids.numel():
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if not (0 <= low and high < vocab):
-        raise bad_drafter(where, f"d2t maps draft tokens to target ids {low}..{high}; the "
-                                 f"target vocabulary is 0..{vocab - 1}")
-    unique, counts = torch.unique(ids, return_counts=True)
-    if unique.numel() < ids.numel():
-        token = int(unique[counts > 1][0])
-        drafts = (ids == token).nonzero().flatten().tolist()
-        raise bad_drafter(where, f"d2t maps draft tokens {drafts} all to target token "
-                                 f"{token} ({ids.numel() - unique.numel()} draft token(s) "
-                                 f"repeat a target id); allowed: an injective map, distinct "
-                                 f"draft tokens to distinct target tokens (a tree's siblings "
-                                 f"must differ for lossless acceptance)")
 
 
 def check_engine(vllm_config: Any, num_nodes: int) -> None:
