@@ -27,12 +27,14 @@ def record_plans(worker) -> bool:
 
 def decision_inputs(policy, batch: int, depth: int) -> dict[str, float]:
     """What the budget priced drafting to ``depth`` from (``AdaptiveBudget._ratios``):
-    t(B), the verify step t(B(1 + n(d))), the drafting cost (with any branching
-    extra), the accepted drafts A(d) a request and the predicted ratio."""
+    t(B) and the verify step t(B(1 + n(d))), each with its sampling, the drafting
+    cost (with any branching extra), the accepted drafts A(d) a request and the
+    predicted ratio."""
     chain = policy.chain_mode
     n = depth if chain else min(float(policy.M), policy.nodes_at[depth - 1])
     accepted = policy.chain_accepted_at if chain else policy.accepted_at
-    plain, verify = policy.step_cost(batch), policy.step_cost(batch * (1 + n))
+    plain = policy.plain_cost(batch)
+    verify = float(policy.verify_costs(batch, [batch * (1 + n)])[0])
     ratio = policy.predicted_ratio(batch, depth, chain=chain)
     gain = 1.0 + sum(accepted[:depth])
     return {"t_plain": plain, "t_verify": verify, "nodes": n, "accepted": gain - 1.0,

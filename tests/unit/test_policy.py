@@ -295,6 +295,29 @@ def test_a_probe_from_off_is_priced_with_the_drafter_catch_up_it_pays():
     assert unpriced < light < heavy
 
 
+def test_probes_while_off_bring_a_stale_tree_estimate_down_at_depth_one():
+    """One tree step of 8 trees that accepted nothing leaves the tree estimate
+    at depth 1 near its prior (0.16); while off only chains are verified (the
+    probes). Their first nodes accept nothing either, and the tree estimate
+    follows them down: before, it stayed at 0.16 for good, and where a verified
+    token is nearly free a depth-1 tree was priced above plain (issue 83)."""
+    p = AdaptiveBudget(num_nodes=16, depth=6, width=4, probe_every=0)
+    p._verifying_chain = p._chain_whole = False
+    p.observe_acceptance([0] * 8, 1, 0.0)
+    assert 0.1 < p.accepted_at[0] < 0.2
+    for _ in range(4):  # four probes from off, 8 chains each
+        p._probing_while_off, p._verifying_chain, p._chain_whole = True, True, True
+        p.observe_acceptance([0] * 8, 1, 0.0)
+    assert p.accepted_at[0] < 0.01 and p.chain_accepted_at[0] < 0.01
+    # Chain mode while on (not a probe from off) leaves the tree estimate alone.
+    on = AdaptiveBudget(num_nodes=16, depth=6, width=4, probe_every=0)
+    on.observe_acceptance([0] * 8, 1, 0.0)
+    before = on.accepted_at[0]
+    on._verifying_chain = on._chain_whole = True
+    on.observe_acceptance([0] * 8, 1, 0.0)
+    assert on.accepted_at[0] == before
+
+
 def test_a_probe_verifies_the_chain_even_when_estimates_say_no():
     """Estimates gone wrong (kappa at its floor after an unlucky start) must be
     correctable: probe steps verify each request's chain to the probed depth."""

@@ -168,7 +168,13 @@ class BudgetEstimates:
         seconds exclude it): the tree sampler's, acceptance included, or vLLM's
         sampler on a step without trees."""
         if num_tokens > 0 and seconds >= 0:
-            (self.tree_sample_cost if tree else self.plain_sample_cost).add(num_tokens, seconds)
+            fit = self.tree_sample_cost if tree else self.plain_sample_cost
+            # At most twice the prediction a sample: one stalled sampler call
+            # (a busy core) must not price a side up for the next ~30 steps; a
+            # real change (the batch turning to top-p sampling) still gets in
+            # within a few steps.
+            predicted = fit(num_tokens)
+            fit.add(num_tokens, seconds if predicted is None else min(seconds, 2 * predicted))
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
         """A drafting step forwarded ``tokens`` deferred drafter inputs."""
@@ -245,7 +251,8 @@ class BudgetEstimates:
         # below break-even took minutes of probes to come back (seen served: off
         # for good after two turns whose depth-1 acceptance was 0.24-0.34, while
         # stock chains gained 14-18 % on the same turns).
-        rate = self.RATE_OFF_PROBE if self._probing_while_off else self.RATE_PER_TREE
+        off_probe = self._probing_while_off
+        rate = self.RATE_OFF_PROBE if off_probe else self.RATE_PER_TREE
         self._probing_while_off = False
         # The chain verified whole learns its depths below the first only from
         # chains that were verified whole. A tree-mode selection cuts a chain
@@ -265,6 +272,16 @@ class BudgetEstimates:
         # if every tree reached it).
         if not self._verifying_chain:
             self.tree_acceptance.observe(out.accepted + zeros, depth_used, rate)
+        elif off_probe:
+            # While off, probes (chains) are all that is verified, and a tree's
+            # depth-1 estimate would keep whatever the last trees left: with a
+            # drafter that was never right, the prior's 0.16 after one tree step,
+            # for good, which kept depth-1 trees priced above plain where a
+            # verified token is cheap (issue 83's adaptive test, recorded). The
+            # chain's first node is the best child a tree verifies at depth 1,
+            # so its outcome is a lower bound there: learned as such.
+            self.tree_acceptance.observe(out.chain_accepted + zeros, 1, rate,
+                                         censored=out.chain_censored + [False] * len(zeros))
 
     def observe_budget(self, depth: int, nodes_per_request: float,
                        branching: bool = False, unverified: int = 0,
