@@ -308,5 +308,6 @@ class AdaptiveBudget(BudgetEstimates):
         cost = self.verify_costs(batch, batch + np.arange(base_nodes + q.size + 1))
         if cost is None:
             return 0.0, 0.0
+        cost[0] = self.plain_cost(batch)  # no node at all: a plain step (as in select)
         extra = max(self.branch_cost, 0.0) if branching else 0.0
         return best_extension(q, base_gain, base_nodes, cost, extra)
