@@ -42,27 +42,27 @@ def patch_scheduler() -> None:
     and reserve ``depth`` lookahead slots."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
     original = Scheduler.__init__
     if getattr(original, "_treespec_wrapped", False):
         return
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        disable_draft_padding(self)
-        reserve_tree_lookahead(self)
+        tree = tree_config_from_vllm(self.vllm_config)
+        if tree is not None:
+            disable_draft_padding(self)
+            reserve_tree_lookahead(self, tree.depth)
 
     __init__._treespec_wrapped = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__
 
 
 def disable_draft_padding(scheduler: Any) -> bool:
-    """Turn ``scheduler``'s placeholder padding off if it schedules for a tree
-    engine; whether it did. A user's own dynamic lookup (not a tree engine's:
-    the tree keys replace it) is left alone."""
-    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-
-    if tree_config_from_vllm(scheduler.vllm_config) is None:
-        return False
+    """Turn a tree engine's ``scheduler``'s placeholder padding off; whether it
+    did. A dynamic lookup already there (not a tree engine's: the tree keys
+    replace it) is left alone."""
     k = getattr(scheduler, "num_spec_tokens", 0)
     if not k or getattr(scheduler, "dynamic_sd_lookup", False) is not None:
         return False
@@ -70,14 +70,10 @@ def disable_draft_padding(scheduler: Any) -> bool:
     return True
 
 
-def reserve_tree_lookahead(scheduler: Any) -> bool:
+def reserve_tree_lookahead(scheduler: Any, depth: int) -> bool:
     """Reserve ``depth`` KV slots past a tree engine's scheduled tokens instead
     of ``num_speculative_tokens`` (the node budget); whether it changed."""
-    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-
-    tree = tree_config_from_vllm(scheduler.vllm_config)
-    now = getattr(scheduler, "num_lookahead_tokens", 0)
-    if tree is None or now <= tree.depth:
+    if getattr(scheduler, "num_lookahead_tokens", 0) <= depth:
         return False
-    scheduler.num_lookahead_tokens = tree.depth
+    scheduler.num_lookahead_tokens = depth
     return True
