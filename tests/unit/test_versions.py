@@ -59,3 +59,35 @@ def test_position_sections_cover_mrope_and_the_older_xdrope():
     assert not versions.uses_position_sections(SimpleNamespace(uses_mrope=False))
     assert versions.uses_position_sections(SimpleNamespace(uses_mrope=False,
                                                            uses_xdrope_dim=2))
+
+
+def test_a_tree_engine_keeps_prefix_hits_whole_with_the_switch_where_there_is_one():
+    keys = {"model", versions.BLOCK_DROP_SWITCH}
+    stock = {"model": "head"}
+    assert versions.switch_block_drop_off(stock, keys)
+    assert stock[versions.BLOCK_DROP_SWITCH] is True
+    asked = {"model": "head", versions.BLOCK_DROP_SWITCH: False}  # the user's word stands
+    assert not versions.switch_block_drop_off(asked, keys)
+    assert asked[versions.BLOCK_DROP_SWITCH] is False
+    older = {"model": "head"}  # 0.27.1: no such field
+    assert not versions.switch_block_drop_off(older, {"model"}) and older == {"model": "head"}
+
+
+def _kv_cache_manager(eagle_groups):
+    managers = [SimpleNamespace(use_eagle=bool(eagle_groups))]
+    coordinator = SimpleNamespace(eagle_group_ids=set(eagle_groups),
+                                  single_type_managers=managers)
+    return SimpleNamespace(coordinator=coordinator, use_eagle=bool(eagle_groups))
+
+
+def test_a_release_without_the_switch_has_its_eagle_groups_cleared():
+    manager = _kv_cache_manager({0})
+    assert versions.clear_block_drop(manager, SimpleNamespace(method="eagle3"))
+    assert manager.coordinator.eagle_group_ids == set() and not manager.use_eagle
+    assert not any(m.use_eagle for m in manager.coordinator.single_type_managers)
+    # With the switch (0.32.0), the config decides: a drop the user asked for stays.
+    kept = _kv_cache_manager({0})
+    switched = SimpleNamespace(**{versions.BLOCK_DROP_SWITCH: False})
+    assert not versions.clear_block_drop(kept, switched)
+    assert kept.coordinator.eagle_group_ids == {0}
+    assert not versions.clear_block_drop(_kv_cache_manager(set()), SimpleNamespace())

@@ -30,6 +30,12 @@ scheduler gets a lookup that says ``num_spec_tokens`` at every batch size, so
 the count the worker sees is unchanged and the padding is off. The runner still
 replaces any placeholder it meets (``TreeRunnerMixin._replace_placeholder_drafts``)
 and counts it (``placeholder_drafts``), so a vLLM that pads some other way shows.
+
+Stock EAGLE also drops the last block of every prefix-cache hit and recomputes
+it; a tree engine keeps hits whole, as plain vLLM does (``versions.clear_block_drop``,
+which says why). In the soak's mix (repeated prompts, preempted requests resumed
+from the cache, 128-token blocks) the drop made the tree server prefill about a
+tenth more prompt tokens than plain vLLM.
 """
 
 from __future__ import annotations
@@ -38,10 +44,11 @@ from typing import Any
 
 
 def patch_scheduler() -> None:
-    """Wrap ``Scheduler.__init__`` (idempotent): tree engines' schedulers never pad
-    and reserve ``depth`` lookahead slots."""
+    """Wrap ``Scheduler.__init__`` (idempotent): tree engines' schedulers never pad,
+    reserve ``depth`` lookahead slots and keep prefix-cache hits whole."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from vllm_treespec.vllm_glue import versions
     from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
     original = Scheduler.__init__
@@ -54,6 +61,8 @@ def patch_scheduler() -> None:
         if tree is not None:
             disable_draft_padding(self)
             reserve_tree_lookahead(self, tree.depth)
+            versions.clear_block_drop(self.kv_cache_manager,
+                                      self.vllm_config.speculative_config)
 
     __init__._treespec_wrapped = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__

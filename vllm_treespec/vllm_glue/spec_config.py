@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
-from vllm_treespec.vllm_glue import support
+from vllm_treespec.vllm_glue import support, versions
 
 METHOD = "eagle3_tree"
 ADDITIONAL_CONFIG_KEY = "eagle3_tree"
@@ -227,7 +227,9 @@ def patch_engine_args() -> None:
             import vllm
 
             support.check_vllm_version(getattr(vllm, "__version__", "unknown"))
-            stock, tree = translate(spec, _stock_keys())
+            keys = _stock_keys()
+            stock, tree = translate(spec, keys)
+            versions.switch_block_drop_off(stock, keys)  # prefix hits kept whole
             target = kwargs.get("target_model_config", args[0] if args else None)
             support.check_drafter(str(stock["model"]), target.hf_text_config,
                                   parallel_depth=tree.depth if tree.draft == "parallel" else None)

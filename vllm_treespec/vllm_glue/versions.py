@@ -30,7 +30,11 @@ integration tests have passed on it, see the README's support matrix):
     from the request's generator, no longer with Exp(1) noise from it: tree
     steps draw seeded positions with vLLM's own op (``tree_sampler._seeded_draws``);
   - the V2 model runner is the default where Triton runs: tree engines fall
-    back to V1 (``spec_config.patch_model_runner_choice``).
+    back to V1 (``spec_config.patch_model_runner_choice``);
+  - EAGLE's drop of a prefix-cache hit's last block has a switch
+    (``SpeculativeConfig.disable_eagle_block_drop``); 0.27.1 has none, and its
+    KV cache coordinator's EAGLE groups are cleared instead
+    (``switch_block_drop_off``, ``clear_block_drop``).
 """
 
 from __future__ import annotations
@@ -98,6 +102,42 @@ def grow_kv_cache_config(kv_cache_config: Any, extra: int) -> tuple[Any, int] | 
                                  size=size // num * scale) for t in tensors]
     return (dataclasses.replace(kv_cache_config, num_blocks=scale, kv_cache_tensors=grown),
             size // num * extra)
+
+
+# SpeculativeConfig's switch (0.32.0) for EAGLE's last-block drop on prefix hits.
+BLOCK_DROP_SWITCH = "disable_eagle_block_drop"
+
+# Why a tree engine keeps a prefix-cache hit whole: stock EAGLE drops a hit's
+# last block and recomputes it (128 tokens on the CPU) so that its drafter sees
+# the target's states there and reuses no drafter KV written past a chunk's end.
+# A tree's drafts are proposals only: such drafter KV can cost acceptance, never
+# a token of the output, while the recomputed block is prefill that every hit
+# pays and plain vLLM does not.
+
+
+def switch_block_drop_off(stock: dict[str, Any], stock_keys: set[str]) -> bool:
+    """0.32.0: set the switch in the stock speculative-config dict (unless the
+    user set it); whether it did. 0.27.1 has no switch (``clear_block_drop``)."""
+    if BLOCK_DROP_SWITCH not in stock_keys or BLOCK_DROP_SWITCH in stock:
+        return False
+    stock[BLOCK_DROP_SWITCH] = True
+    return True
+
+
+def clear_block_drop(kv_cache_manager: Any, speculative_config: Any) -> bool:
+    """0.27.1: the scheduler's KV cache coordinator drops the last block for its
+    EAGLE groups, read at every lookup: cleared (one KV cache group, as
+    ``support.check_kv_cache_groups`` requires); whether there were any. A
+    release with the switch is left as its config says."""
+    coordinator = kv_cache_manager.coordinator
+    if (hasattr(speculative_config, BLOCK_DROP_SWITCH)
+            or not getattr(coordinator, "eagle_group_ids", None)):
+        return False
+    coordinator.eagle_group_ids = set()
+    for manager in coordinator.single_type_managers:
+        manager.use_eagle = False
+    kv_cache_manager.use_eagle = False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
