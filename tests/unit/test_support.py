@@ -340,6 +340,17 @@ def test_top_level_aux_layer_ids_vllm_would_size_fc_without_are_refused(drafter_
         support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
 
 
+def test_a_repeated_aux_layer_id_is_refused_before_it_fails_every_drafting_step(drafter_copy):
+    """vLLM's target appends each layer's state once: ids [2, 2, 15] send 2 states to
+    an fc built for 3, and every drafting step failed with a shape error."""
+    _edit_config(drafter_copy, eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 2, 15],
+                                             "use_aux_hidden_state": True})
+    with pytest.raises(TreeSpecConfigError, match=r"\[2, 2, 15\] in config.json: the target "
+                                                  r"sends 2 hidden states, but vLLM's "
+                                                  r"LlamaForCausalLMEagle3 sizes fc for 3"):
+        support.check_drafter(str(drafter_copy), SMOLLM2_TARGET)
+
+
 def test_a_head_narrower_than_its_target_is_sized_by_target_hidden_size(drafter_copy):
     """fc takes target_hidden_size-wide states and gives the head's own width."""
     _edit_config(drafter_copy, hidden_size=64, target_hidden_size=576)

@@ -90,7 +90,8 @@ def _aux_layer_counts(config: dict) -> tuple[Any, int, int, str]:
     way (``_COUNTS_TOP_LEVEL_IDS``)."""
     nested = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     layer_ids = config.get("eagle_aux_hidden_state_layer_ids") or nested
-    sends = len(layer_ids) if isinstance(layer_ids, (list, tuple)) and layer_ids \
+    # The target's layers each append their state once, however often an id repeats.
+    sends = len(set(layer_ids)) if isinstance(layer_ids, (list, tuple)) and layer_ids \
         else DEFAULT_AUX_LAYERS
     if (config.get("architectures") or [None])[0] in _COUNTS_TOP_LEVEL_IDS:
         keys, counted = ["num_aux_layers", "num_aux_hidden_states"], layer_ids

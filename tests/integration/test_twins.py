@@ -1,0 +1,83 @@
+"""Greedy eagle3_tree on architecture twins is token-identical to plain vLLM.
+
+Each twin (``twins.py``) is a tiny random checkpoint of one published model family
+(Llama 3, Qwen3, Qwen2.5, Qwen3-MoE, Mistral), served by vLLM's own model class for
+it: the tree path must verify trees right on every architecture it serves, not
+only on the SmolLM2 Llama of the other tests (q/k norms, qkv biases, tied or
+untied heads, llama3 RoPE scaling, explicit head_dim, MoE layers, GQA ratios).
+
+Per twin, one plain engine and one tree engine with a random EAGLE-3 head and the
+default tree settings (32 nodes, depth 6, top-k 8, copy branches) but a fixed
+budget: on a twin the head costs about as much as the target, so the adaptive
+budget rightly turns speculation off after the first two steps (measured: 8
+trees in 48 tokens x 4 prompts), and the point here is trees verified on every
+step. A random head rarely guesses right, so for half of the prompts the oracle
+(``oracle.py``) swaps the tree the drafter proposed (the drafter still runs) for
+one of the same size that hides the plain run's continuation along a random
+branch among decoys: those trees are accepted deeply and at random branches, so
+the KV commit and the drafter's catch-up run on each architecture, next to
+requests of the same batch whose own trees (the head's, and copy branches:
+accepted where a twin's text loops, as the MoE twin's does) are mostly rejected.
+A wrong verification changes the text (the oracle keeps proposing the
+reference, it cannot hide one); tree rows given linear instead of depth
+positions, for one, fail the Llama 3 and Qwen3 twins.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import base_engine, run_engine
+from tests.integration.drafters import random_eagle3_drafter
+from tests.integration.prompts import chat_token_ids
+from tests.integration.twins import AUX_LAYERS, TWINS, build_twin
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 48
+NUM_PROMPTS = 4
+# The default tree settings, less the adaptive budget (see above).
+TREE = {"method": "eagle3_tree", "adaptive": False}
+
+
+def engine(twin, **overrides) -> dict:
+    return base_engine(twin, max_model_len=1024, max_num_seqs=NUM_PROMPTS, **overrides)
+
+
+@pytest.fixture(scope="module")
+def twin_prompts(tokenizer) -> list[list[int]]:
+    return chat_token_ids(tokenizer)[:NUM_PROMPTS]
+
+
+@pytest.mark.parametrize("name", list(TWINS))
+def test_greedy_tree_equals_plain_decoding_on_twin(name, target_dir, twin_prompts,
+                                                    tmp_path_factory, engine_dir):
+    root = tmp_path_factory.mktemp(f"twin-{name}")
+    twin = build_twin(name, root / "target", target_dir)
+    head = random_eagle3_drafter(twin, root / "head", aux_layers=AUX_LAYERS)
+    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+
+    plain = run_engine({"engine": engine(twin), "prompts": twin_prompts,
+                        "sampling": sampling}, engine_dir, f"twin_{name}_plain")
+    expected = [o[0] for o in plain["outputs"]]
+    # Non-trivial text: full length, and not one token repeated (a random twin whose
+    # layers do not matter would repeat its last prompt token, see twins.py).
+    assert [len(o) for o in expected] == [MAX_TOKENS] * NUM_PROMPTS, expected
+    assert len({t for o in expected for t in o}) > NUM_PROMPTS, expected
+
+    # the oracle's trees for the even prompts, the head's own for the odd ones
+    reference = {",".join(map(str, p)): o
+                 for p, o in list(zip(twin_prompts, expected))[::2]}
+    tree = run_engine({"engine": engine(twin, speculative_config=dict(TREE, model=str(head))),
+                       "prompts": twin_prompts, "sampling": sampling,
+                       "oracle": {"reference": reference, "seed": 0}},
+                      engine_dir, f"twin_{name}_tree")
+    bad = [(i, next((k for k, (a, b) in enumerate(zip(o[0], e)) if a != b), None))
+           for i, (o, e) in enumerate(zip(tree["outputs"], expected)) if o[0] != e]
+    assert not bad, f"{name}: prompts differ from plain decoding (prompt, first token): {bad}"
+    metrics = tree["tree"]
+    # Trees were verified on every step (a chain engine has no tree metrics; a
+    # request takes at least MAX_TOKENS / 9 steps), some accepted 4 deep or more.
+    assert metrics["trees"] >= NUM_PROMPTS * MAX_TOKENS // 9, metrics
+    depth = metrics["per_depth_acceptance"]
+    assert len(depth) >= 4 and depth[3] > 0, metrics
