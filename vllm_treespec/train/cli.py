@@ -158,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     target = str(Path(args.target).resolve())
+    from transformers import AutoConfig
+
+    from .drafter_config import DrafterConfig
+
+    tcfg = AutoConfig.from_pretrained(target)
+    why = DrafterConfig.unsupported_target(tcfg)
+    if why is not None:  # before any stage runs (they take hours)
+        print(f"train-drafter: --target {target}: {why}", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     work = (Path(args.work) if args.work else DEFAULT_WORK_ROOT / (args.run or out.name)).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -166,11 +175,6 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"work directory {work}; progress so far: {json.dumps(progress.data)}")
     random.seed(args.seed)
 
-    from transformers import AutoConfig
-
-    tcfg = AutoConfig.from_pretrained(target)
-    if tcfg.model_type != "llama":
-        print(f"warning: target model_type {tcfg.model_type!r}; only Llama is supported", file=sys.stderr)
     if args.aux_layers:
         aux_layers = tuple(int(x) for x in args.aux_layers.split(","))
     else:

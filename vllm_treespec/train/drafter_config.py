@@ -38,6 +38,27 @@ class DrafterConfig:
     def parallel(self) -> bool:
         return self.pard_token is not None
 
+    # Targets whose last decoder layer a Llama-style head reproduces (the head is
+    # initialised from it): no q/k norm, no qkv bias, RoPE without scaling.
+    TARGET_TYPES = ("llama", "mistral")
+
+    @classmethod
+    def unsupported_target(cls, target_config) -> str | None:
+        """Why a head cannot be trained for this target yet (None: it can). Read at
+        argument parsing, before any stage runs: the train stage would find out
+        only after the prompt, generation and vocabulary stages."""
+        c = target_config
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if c.model_type not in cls.TARGET_TYPES:
+            return (f"target model_type {c.model_type!r}; allowed: {list(cls.TARGET_TYPES)} "
+                    f"(the head is a Llama decoder layer initialised from the target's last "
+                    f"one; q/k norms and qkv biases would be dropped)")
+        if rope_type not in ("default", None):
+            return (f"target rope_type {rope_type!r}; allowed: 'default' (the head's "
+                    f"attention has no RoPE scaling yet)")
+        return None
+
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layers) -> "DrafterConfig":
         c = target_config
