@@ -6,7 +6,8 @@ it: the tree path must verify trees right on every architecture it serves, not
 only on the SmolLM2 Llama of the other tests (q/k norms, qkv biases, tied or
 untied heads, llama3 RoPE scaling, explicit head_dim, MoE layers, GQA ratios).
 
-Per twin, one plain engine and one tree engine with a random EAGLE-3 head and the
+Per twin, one plain engine and one tree engine (and for Qwen3 the same pair
+again at tensor parallelism 2) with a random EAGLE-3 head and the
 default tree settings (32 nodes, depth 6, top-k 8, copy branches) but a fixed
 budget: on a twin the head costs about as much as the target, so the adaptive
 budget rightly turns speculation off after the first two steps (measured: 8
@@ -40,25 +41,28 @@ NUM_PROMPTS = 4
 TREE = {"method": "eagle3_tree", "adaptive": False}
 
 
-def engine(twin, **overrides) -> dict:
-    return base_engine(twin, max_model_len=1024, max_num_seqs=NUM_PROMPTS, **overrides)
-
-
 @pytest.fixture(scope="module")
 def twin_prompts(tokenizer) -> list[list[int]]:
     return chat_token_ids(tokenizer)[:NUM_PROMPTS]
 
 
-@pytest.mark.parametrize("name", list(TWINS))
-def test_greedy_tree_equals_plain_decoding_on_twin(name, target_dir, twin_prompts,
+@pytest.mark.parametrize("name, tp", [(name, 1) for name in TWINS] + [("qwen3", 2)])
+def test_greedy_tree_equals_plain_decoding_on_twin(name, tp, target_dir, twin_prompts,
                                                     tmp_path_factory, engine_dir):
+    """``tp`` 2: both engines with tensor parallelism, one core a rank (the Qwen3
+    twin's 8 query and 2 KV heads split in two, as its head's)."""
     root = tmp_path_factory.mktemp(f"twin-{name}")
     twin = build_twin(name, root / "target", target_dir)
     head = random_eagle3_drafter(twin, root / "head", aux_layers=AUX_LAYERS)
     sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+    label, env = f"twin_{name}_tp{tp}", ({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {})
+
+    def engine(twin, **overrides) -> dict:
+        return base_engine(twin, max_model_len=1024, max_num_seqs=NUM_PROMPTS,
+                           tensor_parallel_size=tp, **overrides)
 
     plain = run_engine({"engine": engine(twin), "prompts": twin_prompts,
-                        "sampling": sampling}, engine_dir, f"twin_{name}_plain")
+                        "sampling": sampling}, engine_dir, f"{label}_plain", extra_env=env)
     expected = [o[0] for o in plain["outputs"]]
     # Non-trivial text: full length, and not one token repeated (a random twin whose
     # layers do not matter would repeat its last prompt token, see twins.py).
@@ -71,7 +75,7 @@ def test_greedy_tree_equals_plain_decoding_on_twin(name, target_dir, twin_prompt
     tree = run_engine({"engine": engine(twin, speculative_config=dict(TREE, model=str(head))),
                        "prompts": twin_prompts, "sampling": sampling,
                        "oracle": {"reference": reference, "seed": 0}},
-                      engine_dir, f"twin_{name}_tree")
+                      engine_dir, f"{label}_tree", extra_env=env)
     bad = [(i, next((k for k, (a, b) in enumerate(zip(o[0], e)) if a != b), None))
            for i, (o, e) in enumerate(zip(tree["outputs"], expected)) if o[0] != e]
     assert not bad, f"{name}: prompts differ from plain decoding (prompt, first token): {bad}"
