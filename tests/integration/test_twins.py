@@ -85,3 +85,53 @@ def test_greedy_tree_equals_plain_decoding_on_twin(name, tp, target_dir, twin_pr
     assert metrics["trees"] >= NUM_PROMPTS * MAX_TOKENS // 9, metrics
     depth = metrics["per_depth_acceptance"]
     assert len(depth) >= 4 and depth[3] > 0, metrics
+
+
+# T > 0 on a non-Llama twin: test_sampling's harness (its prompts, settings, trie
+# oracle and thresholds) on the Qwen3 twin, with fewer draws, and its gross control.
+# A random twin's next-token distributions are nearly flat over 49152 tokens (every
+# draw unique: no test has power there, and the trie oracle never guesses), so its
+# (untied) lm_head is scaled up until they are as peaked as a trained model's.
+N_TWIN = 300
+LOGIT_SCALE = 8.0
+
+
+@pytest.fixture(scope="module")
+def qwen3_samples(target_dir, tokenizer, tmp_path_factory, engine_dir):
+    from tests.integration.test_sampling import PROMPTS, SETTINGS, draw, trie_oracle
+
+    root = tmp_path_factory.mktemp("twin-qwen3-sampled")
+    from safetensors.torch import load_file, save_file
+
+    twin = build_twin("qwen3", root / "target", target_dir)
+    weights = load_file(twin / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * LOGIT_SCALE
+    save_file(weights, twin / "model.safetensors", metadata={"format": "pt"})
+    head = random_eagle3_drafter(twin, root / "head", aux_layers=AUX_LAYERS)
+    prompts = chat_token_ids(tokenizer, PROMPTS)
+    plain, _ = draw(twin, prompts, SETTINGS, 2 * N_TWIN, engine_dir, "twin_qwen3_plain_t1",
+                    seed=1)
+    oracle = trie_oracle(prompts, plain, N_TWIN)
+    spec = {"method": "eagle3_tree", "model": str(head), "num_nodes": 12, "depth": 3,
+            "top_k": 4, "adaptive": False}
+    return twin, prompts, plain, oracle, spec
+
+
+def test_the_qwen3_twin_samples_what_plain_sampling_does(qwen3_samples, engine_dir):
+    from tests.integration.test_sampling import SETTINGS, assert_same_distributions, draw
+
+    twin, prompts, plain, oracle, spec = qwen3_samples
+    tree, metrics = draw(twin, prompts, SETTINGS, N_TWIN, engine_dir, "twin_qwen3_tree_t1",
+                         seed=3, speculative_config=spec, oracle=oracle)
+    assert_same_distributions(plain, tree, metrics)
+
+
+def test_the_harness_detects_a_biased_rule_on_the_qwen3_twin(qwen3_samples, engine_dir):
+    from tests.integration.test_sampling import N_CONTROL, SETTINGS, draw
+    from vllm_treespec.bench.homogeneity import homogeneity_pvalue
+
+    twin, prompts, plain, oracle, spec = qwen3_samples
+    biased, _ = draw(twin, prompts[:1], SETTINGS[:1], N_CONTROL, engine_dir,
+                     "twin_qwen3_tree_biased", seed=4, speculative_config=spec,
+                     oracle=oracle, break_stochastic=True)
+    assert homogeneity_pvalue(plain[0], biased[0]) < 1e-6
