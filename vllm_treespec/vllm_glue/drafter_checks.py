@@ -165,9 +165,7 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
     except (OSError, ValueError) as e:
         raise bad_drafter(path / "config.json", f"unreadable ({e})") from None
     head = check_drafter_config(path, config, target, parallel_depth)
-    # vLLM loads the *.safetensors, and the *.bin only where there are none
-    files = sorted(path.glob("*.safetensors")) or sorted(
-        f for f in path.glob("*.bin") if f.name not in _NOT_WEIGHTS)
+    files = _weight_files(path)
     if not files:
         raise bad_drafter(path, "no weights (*.safetensors or *.bin) in the directory")
     found = [_read_head_tensors(file) for file in files]
@@ -177,6 +175,13 @@ def check_drafter(model: str, target: Any, parallel_depth: int | None = None) ->
         raise bad_drafter(path, missing_token_map(head))
     if parallel_depth is not None and not any(mask is not None for *_, mask in found):
         raise bad_drafter(path, NOT_A_PARALLEL_HEAD)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """A head directory's weight files as vLLM loads them: the *.safetensors, and
+    the *.bin only where there are none."""
+    return sorted(path.glob("*.safetensors")) or sorted(
+        f for f in path.glob("*.bin") if f.name not in _NOT_WEIGHTS)
 
 
 def missing_token_map(head: HeadShape) -> str:
@@ -312,8 +317,7 @@ def describe_head(where: Path | str, config: dict, target: Any) -> list[str]:
     lines = [f"head: {layout}, {(read.get('architectures') or ['?'])[0]}",
              f"reads: {layers} of hidden size {head.target_hidden}"]
     path = Path(where)
-    files = (sorted(path.glob("*.safetensors")) or sorted(
-        f for f in path.glob("*.bin") if f.name not in _NOT_WEIGHTS)) if path.is_dir() else []
+    files = _weight_files(path) if path.is_dir() else []
     has_map = any(_read_head_tensors(f)[1] is not None for f in files) if files else None
     if head.draft_vocab == head.vocab and not has_map:
         vocab = f"the full vocabulary ({head.vocab} tokens), no map"
