@@ -62,10 +62,11 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layers) -> "DrafterConfig":
         c = target_config
+        why = cls.unsupported_target(c)
+        if why is not None:
+            raise NotImplementedError(why)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") not in ("default", None):
-            raise NotImplementedError(f"rope type {rope.get('rope_type')} is not supported")
         return cls(
             hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size,
