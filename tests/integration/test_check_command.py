@@ -12,9 +12,15 @@ pytestmark = pytest.mark.vllm
 
 
 def run_check(capsys, *argv: str) -> tuple[int, str]:
+    import os
+
     from vllm_treespec.commands import check
 
+    before = os.environ.get("VLLM_LOGGING_LEVEL")
     code = check.main(list(argv))
+    # Servers the later tests start inherit this process's environment (a leaked
+    # level once hid the INFO lines they read).
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == before
     # vLLM's own log lines may come first (its logger writes to stdout)
     out = capsys.readouterr().out
     return code, out[out.find("served: ") if "served: " in out else out.find("refused"):]

@@ -21,6 +21,7 @@ Exit status 0 when served, 1 when refused.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -89,8 +90,25 @@ def verdict(target: str, drafter: str, spec: dict, engine_args: dict) -> list[st
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # vLLM's info lines (architecture resolved, defaults chosen) before the verdict
-    # are noise here; set the variable to see them.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # are noise here; set the variable to see them. Restored after: a caller in the
+    # same process (a test, a script) starts servers that inherit the environment.
+    with _quiet_vllm():
+        return _report(args)
+
+
+@contextlib.contextmanager
+def _quiet_vllm():
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_LOGGING_LEVEL"]
+
+
+def _report(args: argparse.Namespace) -> int:
     from vllm_treespec.config import TreeSpecConfigError
 
     try:
