@@ -20,23 +20,32 @@ from safetensors.torch import save_file
 def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
                           draft_vocab: int = 4096, seed: int = 0,
                           aux_layers: tuple[int, int, int] | None = None,
-                          draft_ids: Sequence[int] | None = None) -> Path:
+                          draft_ids: Sequence[int] | None = None,
+                          layout: str = "safetensors", hidden_size: int | None = None) -> Path:
     """``draft_ids``: the target ids of the draft vocabulary, in order (default:
-    the first ``draft_vocab`` ids)."""
+    the first ``draft_vocab`` ids). The layouts heads are published in:
+    ``layout`` "bin" writes ``pytorch_model.bin`` (the original EAGLE-3 releases);
+    ``draft_vocab`` equal to the target's vocabulary writes no ``d2t``/``t2d`` (a
+    full-vocabulary head); ``hidden_size`` narrower than the target's writes a head
+    of that width with ``target_hidden_size`` (its ``fc`` reads the target's width)
+    and its own ``embed_tokens`` (the target's are too wide to share)."""
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tcfg = json.loads((target_dir / "config.json").read_text())
-    d = tcfg["hidden_size"]
-    heads, kv_heads = tcfg["num_attention_heads"], tcfg["num_key_value_heads"]
-    head_dim = tcfg.get("head_dim") or d // heads
-    inter, vocab = tcfg["intermediate_size"], tcfg["vocab_size"]
+    target_d = tcfg["hidden_size"]
+    d = hidden_size or target_d
+    head_dim = tcfg.get("head_dim") or target_d // tcfg["num_attention_heads"]
+    # a narrower head keeps the head size and the GQA ratio, with fewer heads
+    heads = tcfg["num_attention_heads"] * d // target_d
+    kv_heads = max(1, tcfg["num_key_value_heads"] * d // target_d)
+    inter, vocab = tcfg["intermediate_size"] * d // target_d, tcfg["vocab_size"]
     n_layers = tcfg["num_hidden_layers"]
     aux = list(aux_layers or (2, n_layers // 2, n_layers - 3))
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "hidden_size": d, "intermediate_size": inter, "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "num_hidden_layers": 1,
-        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": d,
+        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": target_d,
         "rms_norm_eps": tcfg.get("rms_norm_eps", 1e-5),
         "rope_theta": tcfg.get("rope_theta", 10000.0),
         "max_position_embeddings": tcfg.get("max_position_embeddings", 8192),
@@ -53,7 +62,7 @@ def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
         return torch.randn(*shape, generator=g) * scale
 
     tensors = {
-        "fc.weight": w(d, 3 * d),
+        "fc.weight": w(d, len(aux) * target_d),
         "midlayer.input_layernorm.weight": torch.ones(d),
         "midlayer.hidden_norm.weight": torch.ones(d),
         "midlayer.post_attention_layernorm.weight": torch.ones(d),
@@ -66,12 +75,18 @@ def random_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
         "midlayer.mlp.down_proj.weight": w(d, inter),
         "norm.weight": torch.ones(d),
         "lm_head.weight": w(draft_vocab, d, scale=1.0),
-        # Draft id i is target id ids[i] = i + d2t[i].
-        "d2t": ids - torch.arange(draft_vocab),
-        "t2d": torch.isin(torch.arange(vocab), ids),
     }
-    save_file({k: v.contiguous() for k, v in tensors.items()},
-              str(out_dir / "model.safetensors"))
+    if draft_vocab < vocab:  # draft id i is target id ids[i] = i + d2t[i]
+        tensors["d2t"] = ids - torch.arange(draft_vocab)
+        tensors["t2d"] = torch.isin(torch.arange(vocab), ids)
+    if d != target_d:
+        tensors["embed_tokens.weight"] = w(vocab, d, scale=1.0)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if layout == "bin":
+        torch.save(tensors, out_dir / "pytorch_model.bin")
+    else:
+        assert layout == "safetensors", layout
+        save_file(tensors, str(out_dir / "model.safetensors"))
     return out_dir
 
 
@@ -92,48 +107,18 @@ def never_right_drafter(target_dir: str | Path, out_dir: str | Path,
 def speculators_eagle3_drafter(target_dir: str | Path, out_dir: str | Path,
                                norm_before_residual: bool = False,
                                speculative_tokens: int = 3, **random_kwargs) -> Path:
-    """``random_eagle3_drafter``'s head converted to the ``speculators`` format (what
-    ``speculators convert`` writes for an EAGLE-3 head, speculators 0.9.0): a
-    config.json with ``speculators_model_type`` / ``speculators_config`` (verifier:
-    ``target_dir``) and the decoder layer's sizes in ``transformer_layer_config``,
-    weights under ``layers.0.*`` instead of ``midlayer.*``, no ``embed_tokens``
-    (shared with the target). ``random_kwargs`` go to ``random_eagle3_drafter``.
+    """``random_eagle3_drafter``'s head converted to the ``speculators`` format by the
+    product's own exporter (``train.export.write_speculators_layout``, the layout
+    ``speculators convert`` writes for an EAGLE-3 head), verifier ``target_dir``.
+    ``random_kwargs`` go to ``random_eagle3_drafter``."""
+    import shutil
 
-    ``norm_before_residual`` False computes what the original-layout head does
-    (vLLM's ``LlamaForCausalLMEagle3`` reads no such key and defaults to False);
-    published heads mostly set it True, and vLLM's speculators reader defaults an
-    absent one to True, so it is always written out."""
-    from safetensors.torch import load_file
+    from vllm_treespec.train.export import write_speculators_layout
 
-    out_dir = random_eagle3_drafter(target_dir, out_dir, **random_kwargs)
-    head = json.loads((out_dir / "config.json").read_text())
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    layer = {key: head[key] for key in (
-        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-        "head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps",
-        "max_position_embeddings", "hidden_act", "tie_word_embeddings")}
-    layer.update(model_type="llama", attention_bias=False, mlp_bias=False,
-                 rope_parameters={"rope_theta": head["rope_theta"], "rope_type": "default"})
-    config = {
-        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
-        "speculators_version": "0.9.0",
-        "speculators_config": {
-            "algorithm": "eagle3", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "accept_tolerance": 0.0,
-                                  "speculative_tokens": speculative_tokens,
-                                  "verifier_accept_k": 1}],
-            "verifier": {"name_or_path": str(target_dir),
-                         "architectures": target.get("architectures", [])}},
-        "draft_vocab_size": head["draft_vocab_size"],
-        "norm_before_residual": norm_before_residual, "norm_before_fc": False,
-        "fc_norm": False, "norm_output": False, "target_hidden_size": None,
-        "eagle_aux_hidden_state_layer_ids":
-            head["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-        "embed_requires_grad": False, "tie_word_embeddings": False, "dtype": "float32",
-        "transformer_layer_config": layer,
-    }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
-    weights = load_file(str(out_dir / "model.safetensors"))
-    save_file({k.replace("midlayer.", "layers.0.", 1): v for k, v in weights.items()},
-              str(out_dir / "model.safetensors"))
+    out_dir = Path(out_dir)
+    original = random_eagle3_drafter(target_dir, out_dir.with_name(out_dir.name + "-original"),
+                                     **random_kwargs)
+    write_speculators_layout(original, out_dir, str(target_dir), speculative_tokens,
+                             norm_before_residual)
+    shutil.rmtree(original)
     return out_dir

@@ -170,6 +170,34 @@ def test_an_mla_target_is_refused_by_name_before_anything_loads(target_dir, tmp_
                       max_model_len=1024)
 
 
+def test_a_hybrid_mamba_target_is_refused_before_anything_loads(target_dir, tmp_path):
+    """Jamba's layout (Mamba layers between attention layers), from its config alone:
+    a Mamba state cannot be rolled back to the accepted path of a tree."""
+    import shutil
+
+    from tests.integration.drafters import random_eagle3_drafter
+    from vllm_treespec.config import TreeSpecConfigError
+
+    hybrid = tmp_path / "jamba-config"
+    hybrid.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / name, hybrid / name)
+    (hybrid / "config.json").write_text(json.dumps({
+        "architectures": ["JambaForCausalLM"], "model_type": "jamba",
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_period": 2,
+        "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+        "num_experts": 2, "num_experts_per_tok": 1, "mamba_d_state": 16,
+        "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
+        "max_position_embeddings": 4096, "vocab_size": 49152, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "torch_dtype": "float32"}))
+    head = random_eagle3_drafter(hybrid, tmp_path / "head", aux_layers=(1, 2, 3))
+    with pytest.raises(TreeSpecConfigError,
+                       match=r"eagle3_tree does not support models with non-attention"):
+        engine_config(hybrid, {"method": "eagle3_tree", "model": str(head)},
+                      max_model_len=1024)
+
+
 def test_a_node_budget_over_the_step_token_budget_is_refused(target_dir, random_drafter):
     from vllm_treespec.config import TreeSpecConfigError
 

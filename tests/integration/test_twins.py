@@ -7,7 +7,8 @@ only on the SmolLM2 Llama of the other tests (q/k norms, qkv biases, tied or
 untied heads, llama3 RoPE scaling, explicit head_dim, MoE layers, GQA ratios).
 
 Per twin, one plain engine and one tree engine (and for Qwen3 the same pair
-again at tensor parallelism 2) with a random EAGLE-3 head and the
+again at tensor parallelism 2) with a random EAGLE-3 head (each twin's in
+another of the layouts heads are published in: ``HEAD_LAYOUTS``) and the
 default tree settings (32 nodes, depth 6, top-k 8, copy branches) but a fixed
 budget: on a twin the head costs about as much as the target, so the adaptive
 budget rightly turns speculation off after the first two steps (measured: 8
@@ -26,12 +27,14 @@ positions, for one, fail the Llama 3 and Qwen3 twins.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.integration.conftest import base_engine, run_engine
-from tests.integration.drafters import random_eagle3_drafter
+from tests.integration.drafters import random_eagle3_drafter, speculators_eagle3_drafter
 from tests.integration.prompts import chat_token_ids
-from tests.integration.twins import AUX_LAYERS, TWINS, build_twin
+from tests.integration.twins import AUX_LAYERS, TWINS, VOCAB, build_twin
 
 pytestmark = pytest.mark.vllm
 
@@ -39,6 +42,25 @@ MAX_TOKENS = 48
 NUM_PROMPTS = 4
 # The default tree settings, less the adaptive budget (see above).
 TREE = {"method": "eagle3_tree", "adaptive": False}
+
+
+# Each twin's head in one of the layouts heads are published in (docs/models.md):
+# the layouts cost no engine of their own that way.
+HEAD_LAYOUTS = {"llama3": "bin", "qwen3": "speculators", "qwen2.5": "full-vocabulary",
+                "qwen3-moe": "original", "mistral": "narrow"}
+
+
+def twin_head(layout: str, twin, out_dir):
+    """A random head for ``twin`` in ``layout``: "original" (safetensors, a 4096-token
+    draft vocabulary mapped by d2t), "bin" (the same in pytorch_model.bin),
+    "full-vocabulary" (no d2t), "narrow" (half the twin's width, with
+    target_hidden_size), "speculators" (speculators' config and weight names)."""
+    if layout == "speculators":
+        return speculators_eagle3_drafter(twin, out_dir, aux_layers=AUX_LAYERS)
+    width = json.loads((twin / "config.json").read_text())["hidden_size"]
+    kwargs = {"original": {}, "bin": {"layout": "bin"}, "full-vocabulary": {"draft_vocab": VOCAB},
+              "narrow": {"hidden_size": width // 2}}[layout]
+    return random_eagle3_drafter(twin, out_dir, aux_layers=AUX_LAYERS, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +75,7 @@ def test_greedy_tree_equals_plain_decoding_on_twin(name, tp, target_dir, twin_pr
     twin's 8 query and 2 KV heads split in two, as its head's)."""
     root = tmp_path_factory.mktemp(f"twin-{name}")
     twin = build_twin(name, root / "target", target_dir)
-    head = random_eagle3_drafter(twin, root / "head", aux_layers=AUX_LAYERS)
+    head = twin_head(HEAD_LAYOUTS[name] if tp == 1 else "original", twin, root / "head")
     sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
     label, env = f"twin_{name}_tp{tp}", ({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {})
 

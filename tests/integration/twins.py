@@ -16,6 +16,7 @@ model's ratio to hidden, roughly), ``num_hidden_layers`` 4, the attention heads
 (head_dim 32; the model's ratio of query to KV heads kept; an explicit
 ``head_dim`` stays explicit, and where the published model's query width differs
 from its hidden size, the twin's does too), ``vocab_size`` and the token ids.
+Random biases (Qwen2's q/k/v), where transformers starts them at zero.
 Raised: ``initializer_range`` (``INIT_STD``): at the published 0.02 a random twin's
 residual stream is its input token's embedding, barely moved by its layers, so a
 tied twin repeats its last prompt token whatever its attention computes; at 0.1
@@ -152,10 +153,12 @@ TWINS: dict[str, Twin] = {
 }
 
 
-def build_twin(name: str, out_dir: str | Path, tokenizer_dir: str | Path) -> Path:
+def build_twin(name: str, out_dir: str | Path, tokenizer_dir: str | Path,
+               **changes: Any) -> Path:
     """Write twin ``name`` of ``TWINS`` to ``out_dir``: its config.json (the published
-    fields, shrunk), model.safetensors (transformers' layout and init, seed ``SEED``,
-    saved in the published dtype) and the tokenizer files of ``tokenizer_dir``."""
+    fields, shrunk, then ``changes``), model.safetensors (transformers' layout and
+    init, seed ``SEED``, saved in the published dtype) and the tokenizer files of
+    ``tokenizer_dir``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -164,13 +167,17 @@ def build_twin(name: str, out_dir: str | Path, tokenizer_dir: str | Path) -> Pat
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     assert len(tokenizer) == VOCAB, f"{tokenizer_dir}: {len(tokenizer)} tokens, not {VOCAB}"
-    config = twin.config(tokenizer.bos_token_id, tokenizer.eos_token_id)
+    config = dict(twin.config(tokenizer.bos_token_id, tokenizer.eos_token_id), **changes)
     config_json = json.dumps(config, indent=2)
     (out_dir / "config.json").write_text(config_json)
     # Parsed as vLLM parses it (transformers' AutoConfig), then the weights.
     hf_config = AutoConfig.from_pretrained(out_dir)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():  # transformers starts biases at zero: they would test nothing
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, INIT_STD)
     model.to(getattr(torch, config["torch_dtype"]))
     model.save_pretrained(out_dir, safe_serialization=True)
     # save_pretrained writes the config in this transformers' own form; keep the

@@ -17,12 +17,12 @@ def _target(tmp_path, name: str, **changes):
 
 
 @pytest.mark.parametrize("name, changes, needle", [
-    ("qwen3", {}, "target model_type 'qwen3'; allowed: ['llama', 'mistral']"),
-    ("qwen2.5", {}, "target model_type 'qwen2'"),
-    ("llama3", {}, "target rope_type 'llama3'; allowed: 'default'"),
-    ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    ("qwen3-moe", {}, "target model_type 'qwen3_moe'; allowed: ['llama', 'mistral', 'qwen2', "
+                      "'qwen3']"),
+    ("llama3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16,
+                                 "long_factor": [1.0] * 16,
                                  "original_max_position_embeddings": 8192}},
-     "target rope_type 'yarn'"),
+     "target rope_type 'longrope'; allowed: ['default', 'linear', 'llama3', 'yarn', 'dynamic']"),
 ])
 def test_an_unsupported_target_is_refused_before_any_stage(tmp_path, capsys, name, changes,
                                                            needle):
@@ -37,9 +37,21 @@ def test_an_unsupported_target_is_refused_before_any_stage(tmp_path, capsys, nam
     assert not work.exists()  # no stage ran, nothing was written
 
 
-def test_a_llama_target_with_default_rope_is_accepted():
-    from transformers import LlamaConfig
+@pytest.mark.parametrize("name, changes", [
+    ("llama3", {}), ("qwen3", {}), ("qwen2.5", {}), ("mistral", {}),
+    ("llama3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                 "original_max_position_embeddings": 8192}}),
+])
+def test_the_targets_people_serve_are_accepted(tmp_path, name, changes):
+    from transformers import AutoConfig
 
     from vllm_treespec.train.drafter_config import DrafterConfig
 
-    assert DrafterConfig.unsupported_target(LlamaConfig(hidden_size=64)) is None
+    config = AutoConfig.from_pretrained(_target(tmp_path, name, **changes))
+    assert DrafterConfig.unsupported_target(config) is None
+    head = DrafterConfig.from_target(config, 1024, (1, 2, 3))
+    # the head rotates as the target does, and keeps Qwen2's q/k/v biases
+    assert head.rope["rope_type"] == (changes.get("rope_scaling") or config.rope_parameters
+                                      or {}).get("rope_type", "default")
+    assert head.attention_bias == (name == "qwen2.5")
+    assert DrafterConfig.from_hf_dict(head.to_hf_dict("float32")) == head

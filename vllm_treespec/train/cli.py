@@ -1,4 +1,4 @@
-"""``vllm-treespec train-drafter``: distill an EAGLE-3 drafter for a Llama target.
+"""``vllm-treespec train-drafter``: distill an EAGLE-3 drafter for a Llama, Mistral or Qwen target.
 
 Every stage is resumable and keyed to the work directory (default
 ``~/.cache/vllm-treespec/drafter-work/RUN``); rerunning the same command continues
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-treespec train-drafter",
         description="Distill an EAGLE-3 drafter (one decoder layer over three auxiliary hidden "
-        "states of the target) from a Llama-architecture Hugging Face target by "
+        "states of the target) from a Hugging Face target (Llama 2/3, Mistral, Qwen2/2.5, "
+        "Qwen3) by "
         "self-distillation, and write a checkpoint that vLLM's `eagle3` method loads.",
     )
     p.add_argument("--target", required=True, help="target model directory (HF format)")
@@ -143,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--threads-train", type=int, default=None, help="torch threads for training on CPU")
     t.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                    help="weight dtype of the exported checkpoint")
+    t.add_argument("--layout", choices=("eagle3", "speculators"), default="eagle3",
+                   help="layout of the exported checkpoint: the original EAGLE-3 one "
+                   "(LlamaForCausalLMEagle3) or the speculators format (rerun the export "
+                   "stage with another --out for both)")
     return p
 
 
@@ -312,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             "seed": args.seed,
             "data": data_summary(work, args),
         }
-        path = export_best(work, out, dtype=args.dtype, log=_log, manifest_extra=extra)
+        path = export_best(work, out, dtype=args.dtype, log=_log, manifest_extra=extra,
+                           layout=args.layout)
         _log(f"export: {path}")
     progress.update()
     return 0

@@ -33,30 +33,45 @@ class DrafterConfig:
     # draft positions the head was trained for (ours; vLLM ignores it).
     pard_token: int | None = None
     parallel_slots: int = 0
+    # The target's RoPE (type and scaling; the head's attention rotates as the
+    # target's layers do), and whether its q/k/v projections carry biases (Qwen2).
+    rope_parameters: dict | None = None
+    attention_bias: bool = False
 
     @property
     def parallel(self) -> bool:
         return self.pard_token is not None
 
-    # Targets whose last decoder layer a Llama-style head reproduces (the head is
-    # initialised from it): no q/k norm, no qkv bias, RoPE without scaling.
-    TARGET_TYPES = ("llama", "mistral")
+    def __post_init__(self):
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
+
+    @property
+    def rope(self) -> dict:
+        return self.rope_parameters
+
+    # Targets whose decoder layers a Llama-style head (vLLM's LlamaForCausalLMEagle3,
+    # what the published heads for these models are) starts from: Llama 2/3,
+    # Mistral, Qwen2/2.5 (the head keeps their q/k/v biases) and Qwen3 (its per-head
+    # q/k norm weights are folded into the projections; see target_weights).
+    TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+    # RoPE types that transformers' rotary embedding (the trainer's) and vLLM's
+    # get_rope (the engine's) both compute.
+    ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
     @classmethod
     def unsupported_target(cls, target_config) -> str | None:
-        """Why a head cannot be trained for this target yet (None: it can). Read at
+        """Why a head cannot be trained for this target (None: it can). Read at
         argument parsing, before any stage runs: the train stage would find out
         only after the prompt, generation and vocabulary stages."""
         c = target_config
-        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope = _target_rope(c)
         if c.model_type not in cls.TARGET_TYPES:
             return (f"target model_type {c.model_type!r}; allowed: {list(cls.TARGET_TYPES)} "
                     f"(the head is a Llama decoder layer initialised from the target's last "
-                    f"one; q/k norms and qkv biases would be dropped)")
-        if rope_type not in ("default", None):
-            return (f"target rope_type {rope_type!r}; allowed: 'default' (the head's "
-                    f"attention has no RoPE scaling yet)")
+                    f"one)")
+        if rope["rope_type"] not in cls.ROPE_TYPES:
+            return (f"target rope_type {rope['rope_type']!r}; allowed: {list(cls.ROPE_TYPES)}")
         return None
 
     @classmethod
@@ -65,8 +80,7 @@ class DrafterConfig:
         why = cls.unsupported_target(c)
         if why is not None:
             raise NotImplementedError(why)
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        rope = _target_rope(c)
         return cls(
             hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size,
@@ -74,7 +88,7 @@ class DrafterConfig:
             num_key_value_heads=c.num_key_value_heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
             rms_norm_eps=c.rms_norm_eps,
-            rope_theta=float(theta),
+            rope_theta=float(rope["rope_theta"]),
             max_position_embeddings=c.max_position_embeddings,
             vocab_size=c.vocab_size,
             draft_vocab_size=draft_vocab_size,
@@ -83,6 +97,9 @@ class DrafterConfig:
             hidden_act=getattr(c, "hidden_act", "silu"),
             bos_token_id=getattr(c, "bos_token_id", None),
             eos_token_id=getattr(c, "eos_token_id", None),
+            rope_parameters=rope,
+            # Qwen2 has biases without saying so in its config
+            attention_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")),
         )
 
     def llama_config(self) -> LlamaConfig:
@@ -93,10 +110,11 @@ class DrafterConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+            rope_parameters=dict(self.rope),
             max_position_embeddings=self.max_position_embeddings,
             vocab_size=self.vocab_size,
             hidden_act=self.hidden_act,
+            attention_bias=self.attention_bias,
             num_hidden_layers=1,
         )
 
@@ -114,13 +132,13 @@ class DrafterConfig:
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_parameters": dict(self.rope),
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size,
             "tie_word_embeddings": False,
-            "attention_bias": False,
+            "attention_bias": self.attention_bias,
             "mlp_bias": False,
             "torch_dtype": dtype,
             "eagle_config": {
@@ -140,6 +158,7 @@ class DrafterConfig:
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DrafterConfig":
         rope = d.get("rope_parameters") or {}
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         return cls(
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -147,7 +166,9 @@ class DrafterConfig:
             num_key_value_heads=d["num_key_value_heads"],
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
             rms_norm_eps=d["rms_norm_eps"],
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_theta=theta,
+            rope_parameters=dict(rope, rope_theta=theta) if rope else None,
+            attention_bias=bool(d.get("attention_bias", False)),
             max_position_embeddings=d["max_position_embeddings"],
             vocab_size=d["vocab_size"],
             draft_vocab_size=d["draft_vocab_size"],
@@ -159,3 +180,13 @@ class DrafterConfig:
             pard_token=d.get("pard_token"),
             parallel_slots=int(d.get("parallel_drafting_slots", 0)),
         )
+
+
+def _target_rope(c) -> dict:
+    """The target's RoPE as one dict (``rope_type``, ``rope_theta`` and the scaling
+    keys), from transformers 5's ``rope_parameters`` or the older ``rope_scaling``
+    plus ``rope_theta``."""
+    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    rope["rope_type"] = rope.get("rope_type", rope.pop("type", None)) or "default"
+    rope.setdefault("rope_theta", float(getattr(c, "rope_theta", None) or 10000.0))
+    return rope

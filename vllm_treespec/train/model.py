@@ -63,10 +63,13 @@ class Eagle3Attention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(2 * d, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(2 * d, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(2 * d, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        # A Qwen2 target's biases. vLLM's Llama attention gives o_proj a bias too
+        # when attention_bias is set (left uninitialised if a checkpoint has none).
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(2 * d, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(2 * d, self.n_kv * hd, bias=bias)
+        self.v_proj = nn.Linear(2 * d, self.n_kv * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=bias)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [B,H,L,hd], k/v [B,KV,L,hd] with rotary embedding applied."""

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def load_target_head(target_dir: str | Path):
-    """(config, tied embedding [V, d], final norm weight [d]) of a HF Llama target."""
+    """(config, embedding [V, d], output head [V, d], final norm weight [d]) of a HF
+    target (the head is the embedding where they are tied)."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -54,9 +55,9 @@ def init_from_target(model: "Eagle3Drafter", target_dir: str | Path, mode: str =
     vocabulary and ``norm`` = its final norm, so step 1 starts out reading the
     drafter's output the way the target reads its own last state.
     ``mode="target"`` also copies the target's last decoder layer into the
-    midlayer (the hidden-state half of q/k/v; the embedding half starts at
-    zero) and sets ``fc`` to pass the deepest auxiliary state through: at the
-    start the drafter is then close to "one more target layer on top of the
+    midlayer (the hidden-state half of q/k/v, with their biases where the
+    target has them; the embedding half starts small and random) and sets
+    ``fc`` to pass the deepest auxiliary state through: at the start the drafter is then close to "one more target layer on top of the
     deepest captured state", which predicts sensible tokens from step one.
     """
     _, embed, head, norm_w = load_target_head(target_dir)
@@ -77,10 +78,14 @@ def init_from_target(model: "Eagle3Drafter", target_dir: str | Path, mode: str =
         for name in ("q_proj", "k_proj", "v_proj"):
             lin = getattr(attn, name)
             lin.weight.zero_()
-            lin.weight[:, d:] = w[f"self_attn.{name}.weight"]
+            lin.weight[:, d:] = _fold_head_norm(w, name, attn.head_dim)
             # small random embedding half so the token input is not dead at start
             nn.init.normal_(lin.weight[:, :d], std=0.02)
+            if lin.bias is not None:  # Qwen2's q/k/v biases
+                lin.bias.copy_(w[f"self_attn.{name}.bias"])
         attn.o_proj.weight.copy_(w["self_attn.o_proj.weight"])
+        if attn.o_proj.bias is not None:  # Qwen2's o_proj has none: it starts at zero
+            attn.o_proj.bias.copy_(w.get("self_attn.o_proj.bias", torch.zeros(d)))
         layer.hidden_norm.weight.copy_(w["input_layernorm.weight"])
         layer.post_attention_layernorm.weight.copy_(w["post_attention_layernorm.weight"])
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -89,3 +94,17 @@ def init_from_target(model: "Eagle3Drafter", target_dir: str | Path, mode: str =
         model.fc.weight.zero_()
         model.fc.weight[:, (n_aux - 1) * d :] = torch.eye(d)
         nn.init.normal_(model.fc.weight[:, : (n_aux - 1) * d], std=0.01)
+
+
+def _fold_head_norm(w: dict[str, torch.Tensor], name: str, head_dim: int) -> torch.Tensor:
+    """The target's ``name`` projection, with a Qwen3 per-head q/k RMSNorm's weight
+    folded into its rows. The Llama head has no such norm: what the fold keeps is
+    the direction of each head's query and key (the norm's elementwise weight);
+    what it cannot keep is the norm's division by the head's RMS, so the head
+    starts with the target's attention pattern at another temperature."""
+    weight = w[f"self_attn.{name}.weight"]
+    norm = w.get(f"self_attn.{name[0]}_norm.weight")
+    if norm is None:
+        return weight
+    assert norm.numel() == head_dim, (name, norm.shape, head_dim)
+    return weight * norm.repeat(weight.shape[0] // head_dim).unsqueeze(1)

@@ -7,7 +7,7 @@ the chain's start position, the auxiliary hidden states vLLM handed to the
 drafter and the draft tokens it proposed, and then replays each chain with
 :meth:`Eagle3Drafter.draft_chain` on the same inputs. Variants that differ from
 the engine (post-norm feedback, frozen positions, ``fc`` applied at every
-step) are replayed too: they must disagree where the engine's recurrence
+step, the target's RoPE scaling ignored) are replayed too: they must disagree where the engine's recurrence
 agrees. A parallel-drafting head (``pard_token`` in its config) runs with
 ``"parallel_drafting": true`` and is replayed with
 :meth:`Eagle3Drafter.draft_parallel`; the sequential recurrence is its wrong
@@ -126,6 +126,8 @@ def compare(model, captures: list[dict], num_spec: int) -> dict:
         variants = {name: (getattr(model, method), {}) for name, method in PARALLEL_VARIANTS.items()}
     else:
         variants = {name: (model.draft_chain, kw) for name, kw in VARIANTS.items()}
+        if model.cfg.rope["rope_type"] != "default":  # the target's scaling ignored
+            variants["unscaled_rope"] = (_unscaled_rope(model).draft_chain, {})
     for name, (draft, kw) in variants.items():
         hits = [0] * num_spec
         total = [0] * num_spec
@@ -146,10 +148,23 @@ def compare(model, captures: list[dict], num_spec: int) -> dict:
     return result
 
 
+def _unscaled_rope(model):
+    """``model`` with its RoPE scaling dropped (the target's theta kept)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(model.cfg, rope_parameters=None)
+    wrong = type(model)(cfg, embed_weight=model.embed_tokens.weight.data)
+    wrong.load_state_dict(model.state_dict(), strict=False)
+    return wrong.eval()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--drafter", required=True)
+    p.add_argument("--drafter", required=True, help="the head, in the original layout")
+    p.add_argument("--served-drafter", default=None,
+                   help="the directory vLLM loads (default: --drafter), e.g. the same head "
+                   "in the speculators layout")
     p.add_argument("--num-spec", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS))
@@ -163,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = DEFAULT_PROMPTS[: args.prompts]
     _, embed, _, _ = load_target_head(args.target)
     model = Eagle3Drafter.load_checkpoint(args.drafter, embed_weight=embed).eval()
-    captures = capture_vllm_drafts(args.target, args.drafter, prompts, args.num_spec, args.max_tokens,
-                                   parallel=model.cfg.parallel)
+    captures = capture_vllm_drafts(args.target, args.served_drafter or args.drafter, prompts,
+                                   args.num_spec, args.max_tokens, parallel=model.cfg.parallel)
     res = {"variants": compare(model, captures, args.num_spec)}
     drafts = sum(len(c["rounds"]) for c in captures)
     accepted = sum(len(c["output_ids"]) for c in captures) - drafts  # each round emits accepted + 1
