@@ -18,8 +18,15 @@ Python sources of the standard library. Then, per twin:
    costs about as much as the target, so the adaptive budget turns speculation
    off) with each. Mean acceptance length is vLLM's own counters
    (1 + accepted / drafts); every speculative output is compared with plain's.
+4. the same engines at T = 0.8, one seed per request: a twin this small answers
+   greedily in loops of a token or two, which any head predicts; sampled text
+   is varied, and acceptance there is what the head learnt.
 
-    python benchmarks/twin_heads.py --out benchmarks/results/twin-heads-DATE
+    python benchmarks/twin_heads.py --out benchmarks/results/twin-heads-DATE \
+        --work /tmp/twin-heads
+
+``--work`` holds the twins, heads, training runs and per-engine results (rerun the
+command to resume); ``--out`` gets ``twin_heads.json`` and the training logs.
 
 Each engine runs in its own process (``measure``), one after another.
 """
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -40,6 +48,8 @@ sys.path.insert(0, str(ROOT))
 
 TREE = {"method": "eagle3_tree", "adaptive": False}
 CHAIN = {"method": "eagle3", "num_speculative_tokens": 3}
+# Sampled answers (seeded): a small LM's greedy text loops on a token or two.
+SAMPLED = 0.8
 
 
 def pretrain(twin: Path, steps: int, seq_len: int = 128, batch: int = 8, log=print) -> dict:
@@ -84,8 +94,10 @@ def held_out_prompts(n: int) -> list[str]:
             + [q["turns"][0] for q in mtbench_questions(n - n // 2)])
 
 
-def measure(target: str, spec: dict | None, prompts: list[str], max_tokens: int) -> dict:
-    """One engine: greedy outputs and vLLM's spec-decode counters."""
+def measure(target: str, spec: dict | None, prompts: list[str], max_tokens: int,
+            temperature: float = 0.0) -> dict:
+    """One engine: its outputs (greedy, or sampled with a seed per request) and vLLM's
+    spec-decode counters."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import vllm_treespec  # noqa: F401  (the plugin, for eagle3_tree)
     from vllm import LLM, SamplingParams
@@ -97,8 +109,9 @@ def measure(target: str, spec: dict | None, prompts: list[str], max_tokens: int)
     texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                      add_generation_prompt=True) for q in prompts]
     t0 = time.time()
-    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                        use_tqdm=False)
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=i)
+              for i in range(len(texts))]
+    outs = llm.generate(texts, params, use_tqdm=False)
     seconds = time.time() - t0
     counters = {"drafts": 0, "accepted": 0}
     for m in llm.get_metrics():
@@ -119,11 +132,12 @@ def _served_method(config) -> str:
     return config.speculative_config.method
 
 
-def run_measure(work: Path, label: str, target: Path, spec: dict | None, prompts, max_tokens):
-    path = work / f"{label}.json"
+def run_measure(work: Path, label: str, target: Path, spec: dict | None, prompts, max_tokens,
+                temperature: float = 0.0):
+    path = work / (f"{label}.json" if temperature == 0 else f"{label}-t{temperature}.json")
     if not path.exists():
         args = json.dumps({"target": str(target), "spec": spec, "prompts": prompts,
-                           "max_tokens": max_tokens})
+                           "max_tokens": max_tokens, "temperature": temperature})
         subprocess.run([sys.executable, __file__, "measure", args, str(path)], check=True,
                        cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(path.read_text())
@@ -148,12 +162,12 @@ def train_head(twin: Path, work: Path, args) -> dict[str, Path]:
     return heads
 
 
-def one_twin(name: str, args, out: Path) -> dict:
+def one_twin(name: str, args, work_root: Path) -> dict:
     from tests.integration.drafters import random_eagle3_drafter
     from tests.integration.twins import AUX_LAYERS, build_twin
     from vllm_treespec.assets import ensure_target
 
-    work = out / name
+    work = work_root / name
     twin = work / "target"
     result: dict = {"twin": name}
     if not (work / "pretrain.json").exists():
@@ -169,14 +183,20 @@ def one_twin(name: str, args, out: Path) -> dict:
     result["engines"] = {}
     for head_name, head in heads.items():
         for method, spec in (("eagle3", CHAIN), ("eagle3_tree", TREE)):
-            r = run_measure(work, f"{method}-{head_name}", twin, dict(spec, model=str(head)),
-                            prompts, args.max_tokens)
+            spec = dict(spec, model=str(head))
+            r = run_measure(work, f"{method}-{head_name}", twin, spec, prompts, args.max_tokens)
+            sampled = run_measure(work, f"{method}-{head_name}", twin, spec, prompts,
+                                  args.max_tokens, SAMPLED)
             result["engines"][f"{method} {head_name}"] = {
                 "served_as": r["method"], "mean_acceptance_length": r["mean_acceptance_length"],
                 "drafts": r["drafts"], "accepted": r["accepted"], "seconds": r["seconds"],
                 "greedy_identical": sum(a == b for a, b in zip(r["outputs"], plain["outputs"])),
-                "prompts": len(prompts)}
+                "prompts": len(prompts),
+                f"mean_acceptance_length_t{SAMPLED}": sampled["mean_acceptance_length"],
+                f"distinct_tokens_t{SAMPLED}": len({t for o in sampled["outputs"] for t in o})}
     result["plain_seconds"] = plain["seconds"]
+    # A small LM's greedy text loops; how varied it is says what acceptance means here.
+    result["plain_distinct_tokens_per_answer"] = [len(set(o)) for o in plain["outputs"]]
     return result
 
 
@@ -185,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "measure":
         a = json.loads(argv[1])
         Path(argv[2]).write_text(json.dumps(measure(a["target"], a["spec"], a["prompts"],
-                                                    a["max_tokens"])))
+                                                    a["max_tokens"], a.get("temperature", 0.0))))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
+    p.add_argument("--work", required=True)
     p.add_argument("--twins", default="llama3,qwen3")
     p.add_argument("--pretrain-steps", type=int, default=300)
     p.add_argument("--train-prompts", type=int, default=256)
@@ -198,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [one_twin(name, args, out) for name in args.twins.split(",")]
+    results = [one_twin(name, args, Path(args.work)) for name in args.twins.split(",")]
+    for name in args.twins.split(","):
+        shutil.copy(Path(args.work) / name / "train-drafter.log", out / f"{name}-train-drafter.log")
     (out / "twin_heads.json").write_text(json.dumps({"args": vars(args), "twins": results},
                                                     indent=2) + "\n")
     for r in results:
@@ -206,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['pretrain']['last_loss']}")
         for k, v in r["engines"].items():
             print(f"  {k:28s} served as {v['served_as']:12s} acceptance "
-                  f"{v['mean_acceptance_length']:.2f}  greedy identical "
+                  f"{v['mean_acceptance_length']:.2f} (T = {SAMPLED}: "
+                  f"{v[f'mean_acceptance_length_t{SAMPLED}']:.2f})  greedy identical "
                   f"{v['greedy_identical']}/{v['prompts']}")
     return 0
 
