@@ -75,7 +75,8 @@ def test_greedy_tree_equals_plain_decoding_on_twin(name, tp, target_dir, twin_pr
     twin's 8 query and 2 KV heads split in two, as its head's)."""
     root = tmp_path_factory.mktemp(f"twin-{name}")
     twin = build_twin(name, root / "target", target_dir)
-    head = twin_head(HEAD_LAYOUTS[name] if tp == 1 else "original", twin, root / "head")
+    head = twin_head(HEAD_LAYOUTS.get(name, "original") if tp == 1 else "original", twin,
+                     root / "head")
     sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
     label, env = f"twin_{name}_tp{tp}", ({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {})
 

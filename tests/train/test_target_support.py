@@ -22,7 +22,7 @@ def _target(tmp_path, name: str, **changes):
     ("llama3", {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 16,
                                  "long_factor": [1.0] * 16,
                                  "original_max_position_embeddings": 8192}},
-     "target rope_type 'longrope'; allowed: ['default', 'linear', 'llama3', 'yarn', 'dynamic']"),
+     "target rope_type 'longrope'; allowed: ['default', 'llama3', 'yarn']"),
 ])
 def test_an_unsupported_target_is_refused_before_any_stage(tmp_path, capsys, name, changes,
                                                            needle):

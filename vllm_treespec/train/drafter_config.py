@@ -55,9 +55,10 @@ class DrafterConfig:
     # Mistral, Qwen2/2.5 (the head keeps their q/k/v biases) and Qwen3 (its per-head
     # q/k norm weights are folded into the projections; see target_weights).
     TARGET_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-    # RoPE types that transformers' rotary embedding (the trainer's) and vLLM's
-    # get_rope (the engine's) both compute.
-    ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
+    # RoPE types whose rotation transformers' rotary embedding (the trainer's) and
+    # vLLM's get_rope (the engine's) compute alike, checked by test_twin_heads
+    # (``dynamic`` is not: transformers scales only past the original context).
+    ROPE_TYPES = ("default", "llama3", "yarn")
 
     @classmethod
     def unsupported_target(cls, target_config) -> str | None:
@@ -157,8 +158,8 @@ class DrafterConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        rope = d.get("rope_parameters") or {}
-        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        rope = _rope_dict(d.get("rope_parameters") or d.get("rope_scaling"), d.get("rope_theta"))
+        theta = rope["rope_theta"]
         return cls(
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
@@ -167,7 +168,7 @@ class DrafterConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
             rms_norm_eps=d["rms_norm_eps"],
             rope_theta=theta,
-            rope_parameters=dict(rope, rope_theta=theta) if rope else None,
+            rope_parameters=rope,
             attention_bias=bool(d.get("attention_bias", False)),
             max_position_embeddings=d["max_position_embeddings"],
             vocab_size=d["vocab_size"],
@@ -183,10 +184,16 @@ class DrafterConfig:
 
 
 def _target_rope(c) -> dict:
-    """The target's RoPE as one dict (``rope_type``, ``rope_theta`` and the scaling
-    keys), from transformers 5's ``rope_parameters`` or the older ``rope_scaling``
-    plus ``rope_theta``."""
-    rope = dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    """The target config's RoPE as one dict (see ``_rope_dict``)."""
+    return _rope_dict(getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None),
+                      getattr(c, "rope_theta", None))
+
+
+def _rope_dict(rope: dict | None, theta: float | None) -> dict:
+    """RoPE as one dict (``rope_type``, ``rope_theta`` and the scaling keys), from a
+    ``rope_parameters`` dict or, as older config.json files (and heads) write it, a
+    ``rope_scaling`` dict (``type`` or ``rope_type``) beside a top-level ``rope_theta``."""
+    rope = dict(rope or {})
     rope["rope_type"] = rope.get("rope_type", rope.pop("type", None)) or "default"
-    rope.setdefault("rope_theta", float(getattr(c, "rope_theta", None) or 10000.0))
+    rope["rope_theta"] = float(rope.get("rope_theta", theta or 10000.0))
     return rope

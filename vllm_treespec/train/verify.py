@@ -154,7 +154,7 @@ def _unscaled_rope(model):
 
     cfg = dataclasses.replace(model.cfg, rope_parameters=None)
     wrong = type(model)(cfg, embed_weight=model.embed_tokens.weight.data)
-    wrong.load_state_dict(model.state_dict(), strict=False)
+    wrong.load_state_dict(model.state_dict())
     return wrong.eval()
 
 
