@@ -14,12 +14,20 @@ def test_short_soak_keeps_every_promise(tmp_path):
     impossible token: each is caught and dumped, its request decodes without drafts
     that step, and every other promise holds (no lost request, quiet answers and
     greedy answers under load as plain vLLM's, preemption, memory, no other dump).
-    One tree server (CI time): a clean one would keep the same promises."""
+    One tree server (CI time): a clean one would keep the same promises.
+
+    Preemption must happen on both servers (the soak counts a server that was
+    never preempted as a violation: it did not exercise the path). With a KV cache
+    of 12 blocks of 128 tokens and answers of up to 48 tokens, the tree server once
+    went through a run without one (prefix-cache hits, kept whole since c6d7c2a,
+    leave more blocks free); 9 blocks (one of the mix's longest prompts takes 8)
+    and answers of up to 96 tokens, so that more requests grow into a new block,
+    make it far likelier."""
     from vllm_treespec.bench.soak import FAULT_SERVER, main
 
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "", "--quiet", "4",
                "--quiet-tokens", "32",
-               "--warmup", "8", "--kv-tokens", "1536", "--max-tokens-cap", "48",
+               "--warmup", "8", "--kv-tokens", "1152", "--max-tokens-cap", "96",
                "--invalid-trees", "3", "--eager", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert rc == 0, (tmp_path / "soak.md").read_text()
