@@ -138,20 +138,28 @@ def test_engine_features_trees_would_get_wrong_are_refused(target_dir, random_dr
     engine_config(target_dir, None, **engine_kw)
 
 
+def config_only_pair(target_dir, tmp_path, name: str, config: dict):
+    """A target of which only ``config`` (and the SmolLM2 tokenizer) exists, no
+    weights, and a random head for it: what a refusal from the config alone needs."""
+    import shutil
+
+    from tests.integration.drafters import random_eagle3_drafter
+
+    target = tmp_path / f"{name}-config"
+    target.mkdir()
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(target_dir / file, target / file)
+    (target / "config.json").write_text(json.dumps(config))
+    return target, random_eagle3_drafter(target, tmp_path / "head", aux_layers=(1, 2, 3))
+
+
 def test_an_mla_target_is_refused_by_name_before_anything_loads(target_dir, tmp_path):
     """DeepSeek-V2-Lite's attention fields (multi-head latent attention): refused
     from the config alone (no weights exist here), where it used to fail only
     after loading, in the tree-backend check, with a message about plugins."""
-    import shutil
-
-    from tests.integration.drafters import random_eagle3_drafter
     from vllm_treespec.config import TreeSpecConfigError
 
-    mla = tmp_path / "deepseek-v2-lite-config"
-    mla.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target_dir / name, mla / name)
-    (mla / "config.json").write_text(json.dumps({
+    mla, head = config_only_pair(target_dir, tmp_path, "deepseek-v2-lite", {
         "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
         "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -161,8 +169,7 @@ def test_an_mla_target_is_refused_by_name_before_anything_loads(target_dir, tmp_
         "moe_layer_freq": 1, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
         "norm_topk_prob": False, "scoring_func": "softmax", "routed_scaling_factor": 1.0,
         "rms_norm_eps": 1e-6, "rope_theta": 10000, "max_position_embeddings": 4096,
-        "vocab_size": 49152, "tie_word_embeddings": False, "torch_dtype": "float32"}))
-    head = random_eagle3_drafter(mla, tmp_path / "head", aux_layers=(1, 2, 3))
+        "vocab_size": 49152, "tie_word_embeddings": False, "torch_dtype": "float32"})
     with pytest.raises(TreeSpecConfigError,
                        match=r"eagle3_tree does not support multi-head latent attention "
                              r"\(MLA; model_type 'deepseek_v2'\)"):
@@ -173,16 +180,9 @@ def test_an_mla_target_is_refused_by_name_before_anything_loads(target_dir, tmp_
 def test_a_hybrid_mamba_target_is_refused_before_anything_loads(target_dir, tmp_path):
     """Jamba's layout (Mamba layers between attention layers), from its config alone:
     a Mamba state cannot be rolled back to the accepted path of a tree."""
-    import shutil
-
-    from tests.integration.drafters import random_eagle3_drafter
     from vllm_treespec.config import TreeSpecConfigError
 
-    hybrid = tmp_path / "jamba-config"
-    hybrid.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(target_dir / name, hybrid / name)
-    (hybrid / "config.json").write_text(json.dumps({
+    hybrid, head = config_only_pair(target_dir, tmp_path, "jamba", {
         "architectures": ["JambaForCausalLM"], "model_type": "jamba",
         "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_period": 2,
@@ -190,8 +190,7 @@ def test_a_hybrid_mamba_target_is_refused_before_anything_loads(target_dir, tmp_
         "num_experts": 2, "num_experts_per_tok": 1, "mamba_d_state": 16,
         "mamba_d_conv": 4, "mamba_expand": 2, "mamba_dt_rank": 8,
         "max_position_embeddings": 4096, "vocab_size": 49152, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "torch_dtype": "float32"}))
-    head = random_eagle3_drafter(hybrid, tmp_path / "head", aux_layers=(1, 2, 3))
+        "tie_word_embeddings": False, "torch_dtype": "float32"})
     with pytest.raises(TreeSpecConfigError,
                        match=r"eagle3_tree does not support models with non-attention"):
         engine_config(hybrid, {"method": "eagle3_tree", "model": str(head)},

@@ -51,7 +51,7 @@ def test_the_targets_people_serve_are_accepted(tmp_path, name, changes):
     assert DrafterConfig.unsupported_target(config) is None
     head = DrafterConfig.from_target(config, 1024, (1, 2, 3))
     # the head rotates as the target does, and keeps Qwen2's q/k/v biases
-    assert head.rope["rope_type"] == (changes.get("rope_scaling") or config.rope_parameters
+    assert head.rope_parameters["rope_type"] == (changes.get("rope_scaling") or config.rope_parameters
                                       or {}).get("rope_type", "default")
     assert head.attention_bias == (name == "qwen2.5")
     assert DrafterConfig.from_hf_dict(head.to_hf_dict("float32")) == head

@@ -46,10 +46,6 @@ class DrafterConfig:
         if self.rope_parameters is None:
             self.rope_parameters = {"rope_type": "default", "rope_theta": self.rope_theta}
 
-    @property
-    def rope(self) -> dict:
-        return self.rope_parameters
-
     # Targets whose decoder layers a Llama-style head (vLLM's LlamaForCausalLMEagle3,
     # what the published heads for these models are) starts from: Llama 2/3,
     # Mistral, Qwen2/2.5 (the head keeps their q/k/v biases) and Qwen3 (its per-head
@@ -111,7 +107,7 @@ class DrafterConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
-            rope_parameters=dict(self.rope),
+            rope_parameters=dict(self.rope_parameters),
             max_position_embeddings=self.max_position_embeddings,
             vocab_size=self.vocab_size,
             hidden_act=self.hidden_act,
@@ -133,7 +129,7 @@ class DrafterConfig:
             "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": dict(self.rope),
+            "rope_parameters": dict(self.rope_parameters),
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,

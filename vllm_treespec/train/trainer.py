@@ -202,10 +202,12 @@ def build_model(cfg: TrainConfig, work: Path, device) -> Eagle3Drafter:
     if model.cfg.aux_layers != dcfg.aux_layers or not torch.equal(model.draft_ids, draft_ids.long()):
         raise ValueError(f"--init {cfg.init}: its auxiliary layers {model.cfg.aux_layers} or draft "
                          f"vocabulary differ from this run's ({dcfg.aux_layers}, vocab.safetensors)")
-    if (model.cfg.rope, model.cfg.attention_bias) != (dcfg.rope, dcfg.attention_bias):
-        raise ValueError(f"--init {cfg.init}: its RoPE {model.cfg.rope} or attention_bias "
-                         f"{model.cfg.attention_bias} differ from the target's ({dcfg.rope}, "
-                         f"{dcfg.attention_bias})")
+    head, target = model.cfg, dcfg
+    if (head.rope_parameters, head.attention_bias) != (target.rope_parameters,
+                                                       target.attention_bias):
+        raise ValueError(f"--init {cfg.init}: its RoPE {head.rope_parameters} or attention_bias "
+                         f"{head.attention_bias} differ from the target's "
+                         f"({target.rope_parameters}, {target.attention_bias})")
     return model.to(device)
 
 

@@ -126,7 +126,7 @@ def compare(model, captures: list[dict], num_spec: int) -> dict:
         variants = {name: (getattr(model, method), {}) for name, method in PARALLEL_VARIANTS.items()}
     else:
         variants = {name: (model.draft_chain, kw) for name, kw in VARIANTS.items()}
-        if model.cfg.rope["rope_type"] != "default":  # the target's scaling ignored
+        if model.cfg.rope_parameters["rope_type"] != "default":  # the target's scaling ignored
             variants["unscaled_rope"] = (_unscaled_rope(model).draft_chain, {})
     for name, (draft, kw) in variants.items():
         hits = [0] * num_spec
