@@ -17,17 +17,15 @@ def test_short_soak_keeps_every_promise(tmp_path):
     One tree server (CI time): a clean one would keep the same promises.
 
     Preemption must happen on both servers (the soak counts a server that was
-    never preempted as a violation: it did not exercise the path). With a KV cache
-    of 12 blocks of 128 tokens and answers of up to 48 tokens, the tree server once
-    went through a run without one (prefix-cache hits, kept whole since c6d7c2a,
-    leave more blocks free); 9 blocks (one of the mix's longest prompts takes 8)
-    and answers of up to 96 tokens, so that more requests grow into a new block,
-    make it far likelier."""
+    never preempted as a violation: it did not exercise the path). The soak's
+    preemption burst makes it happen by construction (12 requests that fit the
+    12-block cache at once and must each grow into a second block); the mix alone
+    once left the tree server unpreempted."""
     from vllm_treespec.bench.soak import FAULT_SERVER, main
 
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "", "--quiet", "4",
                "--quiet-tokens", "32",
-               "--warmup", "8", "--kv-tokens", "1152", "--max-tokens-cap", "96",
+               "--warmup", "8", "--kv-tokens", "1536", "--max-tokens-cap", "48",
                "--invalid-trees", "3", "--eager", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "soak.json").read_text())
     assert rc == 0, (tmp_path / "soak.md").read_text()
@@ -35,7 +33,7 @@ def test_short_soak_keeps_every_promise(tmp_path):
     assert set(result["servers"]) == {"plain", FAULT_SERVER}
     tree = result["servers"][FAULT_SERVER]
     assert tree["trees"] > 0  # the load really went through trees
-    assert tree["preemptions"] > 0 and result["servers"]["plain"]["preemptions"] > 0
+    assert tree["burst_preemptions"] > 0 and result["servers"]["plain"]["burst_preemptions"] > 0
     assert tree["requests"]["invalid"] > 0 and tree["requests"]["abort"] > 0
     assert tree["greedy_under_load"]["compared"] > 10
     assert tree["invariant_dumps"] >= 3  # every one injected (any other is a violation)

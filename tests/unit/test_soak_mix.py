@@ -89,8 +89,8 @@ def _run(name, rss_warm, *rss_passes, preemptions=3.0):
     # rss_end (after the quiet subset) is reported, not judged
     by_process = [{"VLLM::Worker": rss} for rss in (rss_warm, *rss_passes)]
     return ServerRun(name, [], [], [[] for _ in rss_passes], [1.0] * len(rss_passes), by_process,
-                     rss_end=10 * rss_passes[-1], healthy_end=True, metrics=metrics, dumps=0,
-                     injected_dumps=0)
+                     rss_end=10 * rss_passes[-1], healthy_end=True, metrics=metrics, burst=[],
+                     burst_preemptions=0, dumps=0, injected_dumps=0)
 
 
 def _memory_violations(plain_growth, tree_growth):
@@ -139,3 +139,27 @@ def test_markdown_shows_the_growth_after_each_pass():
     args = argparse.Namespace(requests=1, concurrency=1, kv_tokens=1, seed=0)
     md = markdown(summary, violations, args)
     assert "| 1.18 / 1.23 (<= 1.2 / 1.25) |" in md and "| 1.1 / 1.15 |" in md
+
+
+def test_preemption_burst_cannot_fit_the_cache():
+    """The burst's arithmetic: every request's prompt fits at once, and even all
+    but one of them, grown by their answers, need more blocks than the cache has."""
+    from vllm_treespec.bench.soak_mix import preemption_burst
+
+    for blocks, seqs in ((12, 16), (64, 64), (64, 16), (100, 16), (9, 16)):
+        burst = preemption_burst("m", POOL, blocks, seqs, 128, 1024)
+        assert len(burst) == min(blocks, seqs)
+        prompts = [r.body["prompt"] for r in burst]
+        held = [-(-(len(p) + 32) // 128) for p in prompts]  # a tree's lookahead of 32
+        grown = [-(-(len(p) + r.body["max_tokens"]) // 128) for p, r in zip(prompts, burst)]
+        assert sum(held) <= blocks < sum(sorted(grown)[1:])
+        assert len({p[0] for p in prompts}) == len(prompts)  # no shared cached block
+        assert all(r.body["ignore_eos"] and r.body["temperature"] == 0 for r in burst)
+    assert preemption_burst("m", POOL, 4096, 16, 128, 1024) == []  # too large to force
+
+
+def test_soak_counts_a_lost_burst_request():
+    from vllm_treespec.bench.soak_mix import SoakResult
+
+    lost = SoakResult(-1, "preempt", "ok", status=500, error="engine died")
+    assert lost.violation.startswith("HTTP 500")

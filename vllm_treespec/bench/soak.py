@@ -11,8 +11,10 @@ preempted, ``validate_invariants`` on. Each server then gets, in order:
 1. the *quiet* greedy subset, one request at a time;
 2. a warm-up burst (by default twice ``--concurrency`` requests of the mix's
    kind, so every slot fills, requests get preempted and the longest prompts
-   come through), after which the server's resident memory (all its processes,
-   read once the server has idled ``IDLE_SETTLE_S``) is the baseline;
+   come through), then a burst of greedy requests that must preempt one another
+   (``soak_mix.preemption_burst``: preemption by construction), after which the
+   server's resident memory (all its processes, read once the server has idled
+   ``IDLE_SETTLE_S``) is the baseline;
 3. the load: ``--requests`` requests of the mix in ``soak_mix`` at up to
    ``--concurrency`` in flight (the plain server runs it twice, to measure how
    often vLLM's own batch-dependent numerics change a greedy answer; a tree server
@@ -67,7 +69,8 @@ import urllib.request
 from pathlib import Path
 
 from vllm_treespec.bench.server import Server, metric_sum
-from vllm_treespec.bench.soak_mix import CHAT, SoakRequest, build_mix, run_load
+from vllm_treespec.bench.soak_mix import (CHAT, SoakRequest, build_mix, preemption_burst,
+                                          run_load)
 
 TREES = {
     "adaptive": {"validate_invariants": True},
@@ -121,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "promise is checked the same, each server starts about a minute "
                         "sooner on a 2-core CPU, and its timings are not served speed")
     return p
+
+
+def kv_blocks(args) -> int:
+    return -(-args.kv_tokens // BLOCK_SIZE)
 
 
 def idle_resident_bytes(pid: int) -> dict[str, int]:
@@ -181,6 +188,8 @@ class ServerRun:
     rss_end: int
     healthy_end: bool
     metrics: dict
+    burst: list  # the preemption burst's results (soak_mix.preemption_burst)
+    burst_preemptions: float  # preemptions during the burst
     dumps: int
     injected_dumps: int  # dumps of the --invalid-trees fault (its token -1)
 
@@ -194,10 +203,11 @@ class ServerRun:
 
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
-                drafter: str, passes: int, invalid_trees: int = 0) -> ServerRun:
+                drafter: str, passes: int, invalid_trees: int = 0,
+                burst: list[SoakRequest] = ()) -> ServerRun:
     serve_args = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
                   "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(args.concurrency),
-                  "--num-gpu-blocks-override", str(-(-args.kv_tokens // BLOCK_SIZE))]
+                  "--num-gpu-blocks-override", str(kv_blocks(args))]
     if args.eager:
         serve_args += ["--compilation-config", '{"mode": 0}']
     spec = {"method": "eagle3_tree", "model": drafter, **tree} if tree is not None else None
@@ -215,6 +225,9 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         spec_on = tree is not None
         quiet_before = asyncio.run(run_load(url, quiet, 1))
         asyncio.run(run_load(url, warm, args.concurrency, spec_on))
+        before = metric_sum(server.metrics(), "vllm:num_preemptions_total")
+        burst_results = asyncio.run(run_load(url, list(burst), max(1, len(burst)), spec_on))
+        burst_preemptions = metric_sum(server.metrics(), "vllm:num_preemptions_total") - before
         by_process = [idle_resident_bytes(server.proc.pid)]  # after warm-up, then each pass
         loads, walls = [], []
         for _ in range(passes):
@@ -227,7 +240,8 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         rss_end = sum(idle_resident_bytes(server.proc.pid).values())
         metrics = server.metrics() if alive else {}
     return ServerRun(name, quiet_before, quiet_after, loads, walls, by_process, rss_end,
-                     alive, metrics, dumps=_count_lines(log, "batch dumped to"),
+                     alive, metrics, burst_results, burst_preemptions,
+                     dumps=_count_lines(log, "batch dumped to"),
                      injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
 
 
@@ -261,7 +275,8 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
     summary, violations = {}, []
     base_diff, base_n = greedy_mismatches(mix, plain.loads[0], plain.loads[1])
     for name, run in runs.items():
-        bad = [(r.index, r.kind, r.violation) for load in run.loads for r in load if r.violation]
+        bad = [(r.index, r.kind, r.violation) for load in [run.burst, *run.loads] for r in load
+               if r.violation]
         violations += [f"{name}: request {i} ({kind}): {why}" for i, kind, why in bad]
         for label, quiet in (("before", run.quiet_before), ("after", run.quiet_after)):
             same = sum(q.texts == p.texts for q, p in zip(quiet, plain.quiet_before))
@@ -284,6 +299,9 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
         if placeholders:  # a tree engine's scheduler pads no joining request (scheduling)
             violations.append(f"{name}: {placeholders:.0f} placeholder drafts were verified")
         preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
+        if run.burst and not run.burst_preemptions:
+            violations.append(f"{name}: the preemption burst preempted no request, against "
+                              f"its construction (soak_mix.preemption_burst)")
         if not preemptions and not allow_no_preemption:
             violations.append(f"{name}: no request was preempted, so the soak did not "
                               f"exercise preemption (lower --kv-tokens)")
@@ -307,6 +325,7 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
                                       for snapshot in run.rss_by_process],
                        "limit": None if name == "plain" else [round(x, 3) for x in limits]},
             "preemptions": preemptions,
+            "burst_preemptions": run.burst_preemptions,
             "trees": metric_sum(run.metrics, "vllm_treespec:trees_total"),
             "draft_faults": metric_sum(run.metrics, "vllm_treespec:draft_faults_total"),
             "placeholder_drafts": placeholders,
@@ -379,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     texts = [t.messages[-1]["content"] for t in pangu240.build_turns() if t.depends_on is None]
     pool = AutoTokenizer.from_pretrained(assets.target)("\n\n".join(texts))["input_ids"]
+    burst = preemption_burst("soak", pool, kv_blocks(args), args.concurrency, BLOCK_SIZE,
+                             args.max_model_len)
     mix = build_mix(args.requests, args.seed, "soak", texts, pool, args.max_model_len,
                     max_tokens_cap=args.max_tokens_cap)
     if args.warmup is None:
@@ -403,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                                  drafter=str(assets.drafter),
                                  passes=max(2, args.tree_passes) if tree is None
                                  else args.tree_passes,
-                                 invalid_trees=args.invalid_trees if name == FAULT_SERVER else 0)
+                                 invalid_trees=args.invalid_trees if name == FAULT_SERVER else 0,
+                                 burst=burst)
     summary, violations = check(runs, mix, args.allow_no_preemption)
     result = {"args": vars(args), "servers": summary, "violations": violations}
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -158,6 +158,36 @@ def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[
     return out
 
 
+def preemption_burst(model: str, token_pool: list[int], kv_blocks: int, max_seqs: int,
+                     block_size: int, max_model_len: int) -> list[SoakRequest]:
+    """Greedy requests, sent at once, that must preempt one another: preemption by
+    construction, not by how the mix happens to interleave.
+
+    ``n = min(max_seqs, kv_blocks)`` requests get prompts of ``p * B - B/2``
+    tokens (``p = kv_blocks // n`` blocks each, with room for a tree's lookahead of
+    up to B/2 slots), so all ``n`` fit in the cache at once; each must then decode
+    ``B`` tokens (``ignore_eos``), ending in ``p + 1`` blocks. Even ``n - 1`` of
+    them then need more blocks than the cache has, so some running request finds no
+    free block and vLLM preempts another. Each prompt starts with its own token, so
+    no two share a prefix-cached block. Empty when the cache is too large for
+    ``max_model_len`` to force it (the mix may still preempt)."""
+    n = min(max_seqs, kv_blocks)
+    per_request = kv_blocks // n
+    prompt_len, answer = per_request * block_size - block_size // 2, block_size
+    heads = sorted(set(token_pool))
+    if (n < 3 or prompt_len + answer > max_model_len or len(heads) < n
+            or (n - 1) * (per_request + 1) <= kv_blocks):
+        return []
+    burst = []
+    for i in range(n):
+        start = (i * prompt_len) % max(1, len(token_pool) - prompt_len)
+        prompt = [heads[i]] + (token_pool * 2)[start:start + prompt_len - 1]
+        body = {"model": model, "prompt": prompt, "max_tokens": answer, "temperature": 0,
+                "ignore_eos": True}
+        burst.append(SoakRequest(-1 - i, "preempt", COMPLETIONS, body, False, expect="ok"))
+    return burst
+
+
 KINDS = ("invalid", "abort", "fallback", "completion", "chat")
 _KIND_SHARES = (0.08, 0.08, 0.10, 0.32, 0.42)
 
