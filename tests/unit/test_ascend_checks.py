@@ -117,17 +117,18 @@ def test_attention_features_the_tree_calls_ignore_are_refused(change, named):
                                      {} if sinks is None else {"sinks": sinks})
 
 
-def _batch_and_buffers(max_reqs=6):
-    batch = make_verify_batch(3, ["tree", "causal", "tree"], 9, 4, 2, 16,
-                              dtype=torch.float32, device="cpu", max_ctx=300)
+def _batch_and_buffers(max_reqs=6, head_size=16, dtype=torch.float32):
+    batch = make_verify_batch(3, ["tree", "causal", "tree"], 9, 4, 2, head_size,
+                              dtype=dtype, device="cpu", max_ctx=300)
     plan = pad_plan(plan_tree_rows(batch.tree_rows), 9)
-    bufs = TreeAttentionBuffers(max_reqs, 9, 4, 2, 16, torch.float32, "cpu", max_blocks=4)
+    bufs = TreeAttentionBuffers(max_reqs, 9, 4, 2, head_size, dtype, "cpu", max_blocks=4)
     return batch, plan, bufs
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_reservation_holds_everything_a_step_then_uses(variant):
-    batch, plan, bufs = _batch_and_buffers()
+    # Head size 128 in bfloat16: a shape every variant's calls are documented for.
+    batch, plan, bufs = _batch_and_buffers(head_size=128, dtype=torch.bfloat16)
     held = bufs.reserve(variant)
     assert held == bufs.allocated_bytes()
     names = set(bufs._tensors)
@@ -159,3 +160,44 @@ def test_a_step_past_the_buffers_says_what_to_change():
     bufs.max_blocks = 1
     with pytest.raises(RuntimeError, match=r"raise --max-model-len to at least"):
         checks.check_step_fits(plan, bufs, cfg)
+
+
+# ---- variants whose calls torch_npu's docs do not cover for these heads --------------
+@pytest.mark.parametrize("variant", ["two_pass", "tree_sparse"])
+@pytest.mark.parametrize("head_size, dtype, named", [
+    (64, torch.bfloat16, "got head size 64"),
+    (128, torch.float16, "got dtype float16"),
+    (96, torch.float32, "got head size 96 and dtype float32"),
+])
+def test_a_tnd_variant_is_refused_by_name_outside_its_documented_heads(
+        variant, head_size, dtype, named):
+    bufs = TreeAttentionBuffers(2, 5, 4, 2, head_size, dtype, "cpu", max_blocks=2)
+    with pytest.raises(TreeSpecConfigError) as e:
+        bufs.reserve(variant)
+    msg = str(e.value)
+    assert f"VLLM_TREESPEC_ASCEND_VARIANT: {variant!r}" in msg and named in msg, msg
+    assert "head size 128 or 192 and dtype bfloat16" in msg and "'full_mask'" in msg
+    assert bufs.allocated_bytes() == 0
+
+
+@pytest.mark.parametrize("variant, head_size, dtype", [
+    ("two_pass", 128, torch.bfloat16), ("two_pass", 192, torch.bfloat16),
+    ("tree_sparse", 128, torch.bfloat16),
+    ("full_mask", 64, torch.float16), ("triton", 96, torch.float16),
+])
+def test_documented_heads_and_the_bsnd_variants_are_accepted(variant, head_size, dtype):
+    bufs = TreeAttentionBuffers(2, 5, 4, 2, head_size, dtype, "cpu", max_blocks=2)
+    assert bufs.reserve(variant) == bufs.allocated_bytes()
+
+
+def test_the_tree_sparse_probe_declines_undocumented_heads_without_running():
+    from vllm_treespec.attention.ascend.synthetic import probe_tree_sparse
+
+    class NoCalls:  # any torch_npu call would be a failure of the test
+        def __getattr__(self, name):
+            raise AssertionError(f"the probe issued {name}")
+
+    for head_size, dtype, named in ((64, torch.bfloat16, "head size 64"),
+                                    (128, torch.float16, "dtype float16")):
+        res = probe_tree_sparse(NoCalls(), "cpu", dtype, 4, 2, head_size, 5)
+        assert not res.ok and res.reason.startswith("not probed") and named in res.reason

@@ -205,6 +205,9 @@ def test_draft_level_matches_prefix_side_reference(ops):
                                 side_v[:, :hi], side_mask, batch.heads.scale)
     assert out.shape == (B, F, H, D)
     assert _err(out, ref) < 1e-5
+    # Both passes BSND: TND without rope is documented for bf16 at head size 128/192 only.
+    assert [c["layout"] for c in ops.calls if c["op"].startswith("npu_fused")] == [
+        "BSND", "BSND"]
 
 
 # ------------------------------------------------------- wrong arguments are caught
@@ -263,9 +266,23 @@ def test_sparse_mode_3_with_a_tree_mask_is_rejected(ops, tree_batch):
 
 
 def test_sparse_mode_9_on_the_v1_api_is_rejected(ops, tree_batch):
+    # v1 documents treeMask only for MLA (query_rope and key_rope given).
     _, call = _a_call(tree_batch)
-    with pytest.raises(FIAContractError, match="v2"):
+    with pytest.raises(FIAContractError, match="only for MLA, with query_rope and key_rope"):
         call.with_kwargs(sparse_mode=9)(ops)
+
+
+def test_sparse_mode_9_on_v2_is_an_assumption_the_emulation_can_refuse(tree_batch):
+    # v2's docs list sparse modes 0-4: tree_sparse's call is emulated only as assumed.
+    plan = plan_tree_rows(tree_batch.tree_rows)
+    h = tree_batch.heads
+    call = tree_sparse_call(plan, buffers_for(tree_batch, plan),
+                            tree_batch.query.index_select(0, plan.rows),
+                            tree_batch.key_cache, tree_batch.value_cache,
+                            h.num_heads, h.num_kv_heads, h.scale)
+    call(EmulatedTorchNPU())
+    with pytest.raises(FIAContractError, match="modes 0-4"):
+        call(EmulatedTorchNPU(assume_v2_tree_mask=False))
 
 
 def test_tnd_with_a_user_mask_and_sparse_0_is_rejected(ops, tree_batch):
@@ -383,8 +400,11 @@ def test_probe_falls_back_with_a_reason(ops):
         def npu_fused_infer_attention_score_v2(self, *a, **kw):
             raise RuntimeError("sparse_mode 9 not supported by this CANN")
 
-    assert probe_tree_sparse(ops, "cpu", torch.float32, 4, 2, 16, 9).ok
-    bad = probe_tree_sparse(NoTreeMask(), "cpu", torch.float32, 4, 2, 16, 9)
+    # Head size 128 in bfloat16: where tree_sparse's TND call is documented, so the
+    # probe runs (elsewhere it declines unrun: test_ascend_checks).
+    bf16 = torch.bfloat16
+    assert probe_tree_sparse(ops, "cpu", bf16, 4, 2, 128, 9).ok
+    bad = probe_tree_sparse(NoTreeMask(), "cpu", bf16, 4, 2, 128, 9)
     assert not bad.ok and "not supported" in bad.reason
 
     class WrongAlignment(EmulatedTorchNPU):    # a device that aligns the tree top-left
@@ -394,7 +414,7 @@ def test_probe_falls_back_with_a_reason(ops):
                 out = [torch.roll(m, -(m.shape[1] - m.shape[0]), 1) for m in out]
             return out
 
-    off = probe_tree_sparse(WrongAlignment(), "cpu", torch.float32, 4, 2, 16, 9)
+    off = probe_tree_sparse(WrongAlignment(), "cpu", bf16, 4, 2, 128, 9)
     assert not off.ok and "differs" in off.reason
 
 

@@ -16,16 +16,28 @@ of on a device. What the documents leave open is emulated conservatively:
   sparse modes 4-8, pre/next token bands under a user mask) raise
   ``NotImplementedError`` rather than guess.
 
-What it cannot tell: whether CANN accepts a combination the docs allow (notably
-``sparse_mode=9`` for bf16 GQA through the v2 API), bf16/fp16 rounding inside the
-kernels (everything here is float32 math), performance, and graph capture.
+Beyond the documents, one assumption: ``sparse_mode=9`` through the v2 API, which
+the ``tree_sparse`` variant issues. v2's docs list sparse modes 0-4 only, and v1's
+document mode 9 ("treeMask") only for MLA, with ``query_rope`` and ``key_rope``; the
+tree-mask layout emulated here (``(B, S, S)``, or flat ``(sum q_i^2,)`` in TND,
+over the last ``q`` KV positions) is ours, checked on a device only by the
+backend's startup probe. ``assume_v2_tree_mask=False`` rejects it like any other
+undocumented call.
+
+Not enforced, so tests can use small float32 heads: TND's documented head sizes
+and dtype without rope (128 or 192, bfloat16); the backend refuses the rest at
+startup (``vllm_treespec.attention.ascend.documented``).
+
+What it cannot tell: whether CANN accepts a combination the docs allow,
+bf16/fp16 rounding inside the kernels (everything here is float32 math),
+performance, and graph capture.
 
 Supported: layouts TND, BSND, BSH, BNSD; paged KV (``block_table``, block size
 128..512 step 128, cache ``(blocks, block, KVH*D)`` or, for TND/BNSD, ``(blocks,
 KVH, block, D)``) and dense KV; ``actual_seq_lengths(_kv)`` conventions (TND query
 lengths cumulative; paged KV lengths per request; dense TND KV lengths
 cumulative; other layouts per request, a single value broadcasts); sparse modes
-0, 1, 2, 3 and 9 with their mask layouts and alignments; GQA; ``softmax_lse``;
+0, 1, 2, 3 (and 9, assumed) with their mask layouts and alignments; GQA; ``softmax_lse``;
 ``npu_attention_update``.
 """
 
@@ -58,11 +70,14 @@ class EmulatedTorchNPU:
 
     ``calls`` logs (op, layout, sparse_mode, lengths, mask shape) of every call.
     ``allow_float32`` admits float32 tensors (the ops take fp16/bf16) so tests can
-    compare at tight tolerances.
+    compare at tight tolerances. ``assume_v2_tree_mask`` emulates ``sparse_mode=9``
+    through v2 as ``tree_sparse`` assumes it behaves (undocumented; see the module
+    docstring); False rejects it as the v2 docs do.
     """
 
-    def __init__(self, allow_float32: bool = True):
+    def __init__(self, allow_float32: bool = True, assume_v2_tree_mask: bool = True):
         self.allow_float32 = allow_float32
+        self.assume_v2_tree_mask = assume_v2_tree_mask
         self.calls: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ v1
@@ -151,6 +166,9 @@ class EmulatedTorchNPU:
     def allowed_positions(self, op, v2, layout, mask, sparse_mode, *rest) -> list[torch.Tensor]:
         """Per batch the [q, kv] may-attend matrix the documents give a call (a
         method, so a test can emulate a device that reads a mask differently)."""
+        if v2 and sparse_mode == 9 and not self.assume_v2_tree_mask:
+            raise violation(op, "sparse_mode 9 is not documented for this op (its docs "
+                            "list sparse modes 0-4)")
         return allowed_positions(op, v2, layout, mask, sparse_mode, *rest)
 
     def _fia(self, op, v2, query, key, value, mask, q_arg, kv_arg, block_table, num_heads,

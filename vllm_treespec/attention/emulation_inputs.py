@@ -1,7 +1,8 @@
 """Inputs of the emulated torch_npu attention ops (see ``emulation``): the
 documented argument conventions (length lists, contract errors), paged and
 dense KV gathered per request, and the mask each sparse mode implies, as the
-positions every query row may attend to. Pure torch; imports nothing of ours."""
+positions every query row may attend to (sparse mode 9 on v2 is an assumption,
+not documented: see its branch). Pure torch; imports nothing of ours."""
 
 from __future__ import annotations
 
@@ -151,9 +152,12 @@ def allowed_positions(op, v2, layout, mask, sparse_mode, pre_tokens, next_tokens
     if mask is not None and mask.dtype not in (torch.bool, torch.int8, torch.uint8):
         raise violation(op, f"atten_mask dtype {mask.dtype} (bool, int8 or uint8)")
     if layout == "TND":
-        allowed_modes = {(0, False), (3, True)} | ({(9, True)} if v2 else set())
+        # The docs' TND limits: "sparse模式仅支持sparse=0且不传mask，或sparse=3且传入mask",
+        # then "sparse模式支持sparse_mode=4且传入mask" (4 is not emulated, below).
+        # (9, mask) on v2 is the tree_sparse assumption (see the sparse_mode 9 branch).
+        allowed_modes = {(0, False), (3, True), (4, True)} | ({(9, True)} if v2 else set())
         if (sparse_mode, mask is not None) not in allowed_modes:
-            raise violation(op, f"TND allows sparse_mode 0 without a mask or 3 with the "
+            raise violation(op, f"TND allows sparse_mode 0 without a mask or 3/4 with the "
                             f"compressed mask{' (or 9 with a flat tree mask)' if v2 else ''}; "
                             f"got sparse_mode={sparse_mode} with"
                             f"{'' if mask is not None else 'out'} a mask")
@@ -195,9 +199,15 @@ def allowed_positions(op, v2, layout, mask, sparse_mode, pre_tokens, next_tokens
             out.append(j <= i + (L - q if sparse_mode == 3 else 0))
         return out
     if sparse_mode == 9:
+        # Documented only for v1 and only for MLA: "sparse_mode为9时, 代表treeMask模式 ...
+        # 仅MLA场景(query_rope和key_rope不为空)支持", and rope inputs are not emulated.
+        # v2's docs list modes 0-4 ("参数sparse_mode当前仅支持值为0、1、2、3、4的场景,
+        # 取其它值时会报错"). What follows for v2 is not documented anywhere: it is the
+        # layout the tree_sparse variant assumes (EmulatedTorchNPU can refuse it,
+        # ``assume_v2_tree_mask=False``), which the startup probe checks on a device.
         if not v2:
-            raise violation(op, "sparse_mode 9 (treeMask) is documented for "
-                            "npu_fused_infer_attention_score_v2 only")
+            raise violation(op, "sparse_mode 9 (treeMask) is documented for this op only "
+                            "for MLA, with query_rope and key_rope (not emulated)")
         if mask is None:
             raise violation(op, "sparse_mode 9 needs the tree mask")
         m = mask.cpu()

@@ -13,9 +13,10 @@ plus, among the request's own query tokens, exactly those allowed by its
 intra-request mask (ancestor-or-self for a draft tree, causal otherwise). The KV
 cache is vllm-ascend's: per layer a K and a V tensor ``[blocks, 128, KVH, D]``.
 
-Three ways to express it with torch_npu (documented contracts, see the op docs
-of ``npu_fused_infer_attention_score`` (FIA), ``npu_fused_infer_attention_score_v2``
-and ``npu_attention_update``, and CANN's sparse-mode table):
+Three ways to express it with torch_npu (from the op docs of
+``npu_fused_infer_attention_score`` (FIA), ``npu_fused_infer_attention_score_v2``
+and ``npu_attention_update`` in torch_npu's ``_op_plugin_docs.py``; what they do
+not cover is marked, see :mod:`.documented`):
 
 * ``full_mask`` (A, default): one FIA call, ``input_layout="BSND"``, queries padded
   to ``T`` per request, ``atten_mask`` int8 ``(B, 1, T, max_blocks*128)`` (1 =
@@ -28,12 +29,16 @@ and ``npu_attention_update``, and CANN's sparse-mode table):
   ``softmax_lse_flag=True``) plus dense attention among the ``T`` tree tokens
   (BSND over the step's own K/V, mask ``(B, 1, T, T)``), merged through their
   log-sum-exps by ``npu_attention_update``. Its mask does not grow with context.
+  TND without rope is documented for head size 128/192 and bfloat16 only: other
+  heads or dtypes are refused at startup.
 * ``tree_sparse`` (C): one FIA v2 call with ``sparse_mode=9`` ("treeMask": per
   request a ``q x q`` mask over the last ``q`` KV positions, TND flat layout
-  ``(sum q_i^2,)``). CANN documents it for GQA without quantisation, but no
-  vllm-ascend path uses it yet; the backend enables it only after
+  ``(sum q_i^2,)``). Not documented: v2's docs list sparse modes 0-4, v1's give
+  mode 9 for MLA only (with ``query_rope``/``key_rope``), and no doc gives this
+  mask layout. The backend enables it only within TND's documented head sizes
+  and dtype and after
   :func:`~vllm_treespec.attention.ascend.synthetic.probe_tree_sparse` agreed with
-  ``full_mask`` on the live device.
+  ``full_mask`` on the live device; otherwise it uses ``full_mask``.
 
 A fourth variant is not a torch_npu call: ``triton`` (D) launches our own Triton
 kernel (:mod:`vllm_treespec.kernels.tree_attention`, compiled for the NPU by
@@ -45,6 +50,7 @@ interpreter; not yet run on an NPU.
 Modules, in dependency order (each imports only modules above it):
 
 * :mod:`.constants`: block size and variant names;
+* :mod:`.documented`: what torch_npu's docs cover for the variants' TND calls;
 * :mod:`.plans`: :class:`TreeAttentionPlan` of a verify step;
 * :mod:`.buffers`: :class:`TreeAttentionBuffers` (persistent masks and outputs);
 * :mod:`.calls`: op names, :class:`OpCall` and the call builders;

@@ -5,7 +5,8 @@ out back to back, the case ACL graphs capture) is viewed as BSND without any
 copy; masks, padded queries and outputs live in :class:`TreeAttentionBuffers`,
 allocated once.
 
-Owns :class:`TreeAttentionBuffers`. Imports :mod:`.constants` and :mod:`.plans`.
+Owns :class:`TreeAttentionBuffers`. Imports :mod:`.constants`, :mod:`.documented` and
+:mod:`.plans`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from vllm_treespec.attention.ascend.constants import (
     TRITON,
     TWO_PASS,
 )
+from vllm_treespec.attention.ascend.documented import check_documented
 from vllm_treespec.attention.ascend.plans import TreeAttentionPlan
 
 # The persistent tensors each fused variant touches (shapes: ``_shapes``). ``triton``
@@ -78,7 +80,12 @@ class TreeAttentionBuffers:
         """Allocate every persistent tensor ``variant`` uses now, so that vLLM's
         profiling run counts them before it sizes the KV cache (a lazy first
         allocation at the first tree step would come out of the KV cache's share).
-        Returns the bytes held for ``variant``."""
+        Returns the bytes held for ``variant``.
+
+        It is also the startup step that knows the variant, head size and dtype
+        together, so a variant whose calls torch_npu's docs do not cover for them
+        is refused here, by name (:func:`.documented.check_documented`)."""
+        check_documented(variant, self.D, self.dtype)
         shapes = self._shapes()
         for name in _USES[variant]:
             shape, dtype = shapes[name]

@@ -120,12 +120,30 @@ def prefix_call(query_tnd: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                 prefix_lens: Sequence[int], num_heads: int, num_kv_heads: int,
                 scale: float) -> OpCall:
     """B, first pass: every query sees its whole committed prefix (no mask),
-    with the log-sum-exp the merge needs."""
+    with the log-sum-exp the merge needs. TND without rope: documented for head
+    size 128/192 and bfloat16 only (:mod:`.documented`)."""
     return OpCall(FIA, (query_tnd, paged_kv(key_cache), paged_kv(value_cache)), dict(
         block_table=block_table, input_layout="TND", block_size=key_cache.shape[1],
         actual_seq_lengths=list(cu_q_lens), actual_seq_lengths_kv=list(prefix_lens),
         num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
         sparse_mode=SPARSE_DEFAULT_MASK, softmax_lse_flag=True), "prefix")
+
+
+def draft_prefix_call(query_bsnd: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, block_table: torch.Tensor,
+                      prefix_lens: Sequence[int], num_heads: int, num_kv_heads: int,
+                      scale: float) -> OpCall:
+    """A drafting level's first pass: each request's ``F`` frontier queries see its
+    paged prefix (no mask), with the log-sum-exp. BSND rather than TND: every request
+    has the same ``F`` queries, so nothing is padded, and BSND with page attention is
+    documented for float16 and bfloat16 at any head size the op takes, where TND
+    without rope is documented for bfloat16 at head size 128/192 only."""
+    B, F = query_bsnd.shape[:2]
+    return OpCall(FIA, (query_bsnd, paged_kv(key_cache), paged_kv(value_cache)), dict(
+        block_table=block_table, input_layout="BSND", block_size=key_cache.shape[1],
+        actual_seq_lengths=[F] * B, actual_seq_lengths_kv=list(prefix_lens),
+        num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
+        sparse_mode=SPARSE_DEFAULT_MASK, softmax_lse_flag=True), "draft_prefix")
 
 
 def dense_masked_call(query_bsnd: torch.Tensor, key_bsnd: torch.Tensor,
@@ -145,7 +163,13 @@ def tree_sparse_call(plan: TreeAttentionPlan, buffers: TreeAttentionBuffers,
                      value_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
                      scale: float) -> OpCall:
     """C: one FIA v2 call, TND, ``sparse_mode=9`` with the flat tree mask. With a
-    paged cache the KV lengths are per request (not cumulative)."""
+    paged cache the KV lengths are per request (not cumulative).
+
+    Not a documented call: v2's docs list sparse modes 0-4 only, and v1 documents
+    mode 9 ("treeMask") only for MLA (``query_rope`` and ``key_rope`` given). The
+    mask layout used here is our assumption, which the startup probe
+    (:func:`.synthetic.probe_tree_sparse`) checks against ``full_mask`` on the
+    device before the backend uses it."""
     return OpCall(FIA_V2, (query_tnd, paged_kv(key_cache), paged_kv(value_cache)), dict(
         atten_mask=buffers.flat_tree_mask(plan), block_table=plan.block_table,
         input_layout="TND", block_size=key_cache.shape[1],

@@ -20,6 +20,7 @@ import torch
 from vllm_treespec.attention.ascend.buffers import TreeAttentionBuffers
 from vllm_treespec.attention.ascend.calls import (
     dense_masked_call,
+    draft_prefix_call,
     eager_issue,
     full_mask_call,
     merge_call,
@@ -163,7 +164,8 @@ def run_draft_level(ops: Any, md: DraftTreeLevelMetadata, query: torch.Tensor,
     """One tree-drafting level: the B*F frontier queries (query [B, F, H, D];
     returns the same shape, in float32) see their paged prefix
     (``prefix_len`` entries) and, in the dense side buffer, the entries their
-    ``side_mask`` allows (ancestors and themselves). Two passes + LSE merge.
+    ``side_mask`` allows (ancestors and themselves). Two passes + LSE merge, both
+    BSND (see :func:`.calls.draft_prefix_call` for why not TND).
 
     side_key/side_value: [B, capacity, KVH, D] contiguous, columns
     ``[0, side_offset + width)`` filled. The host prefix lengths (one sync per
@@ -182,15 +184,15 @@ def run_draft_level(ops: Any, md: DraftTreeLevelMetadata, query: torch.Tensor,
         side_mask = torch.ones(B, 1, F, cap, dtype=torch.int8, device=query.device)
         side_mask[:, 0, :, :hi] = (~md.side_mask.bool()).to(torch.int8)
         md.scratch[key] = side_mask
-    q = query.reshape(B * F, H, D)
     table = md.block_table[:B].to(torch.int32).contiguous()
-    p_out, p_lse = prefix_call(q, key_cache, value_cache, table,
-                               [F * (b + 1) for b in range(B)], prefix, H, KVH, s)(ops)
+    p_out, p_lse = draft_prefix_call(query, key_cache, value_cache, table, prefix,
+                                     H, KVH, s)(ops)
     t_out, t_lse = dense_masked_call(query, side_key, side_value, side_mask,
                                      [F] * B, [hi] * B, H, KVH, s)(ops)
     M = B * F * H
+    # Both BSND log-sum-exps are (B, N, S, 1); the merge takes (token, head) rows.
     merged, _ = merge_call(
-        [p_lse.reshape(M).contiguous(),
+        [p_lse.view(B, H, F).permute(0, 2, 1).reshape(M).contiguous(),
          t_lse.view(B, H, F).permute(0, 2, 1).reshape(M).contiguous()],
         [p_out.reshape(M, D).float(), t_out.reshape(M, D).float()])(ops)
     return merged.view(B, F, H, D)
