@@ -195,3 +195,26 @@ def test_slot_elements_address_what_the_cpu_cache_writer_wrote():
     assert torch.equal(got[:, :, 0], k) and torch.equal(got[:, :, 1], v)
     wrong = cache.view(-1)[cpu_layout.slot_elements(cache, slots + 1)].view(4, kvh, 2, dh)
     assert not torch.equal(wrong[:, :, 0], k)  # control: a slot off reads other data
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 2**31))
+def test_scratch_prefix_bounds_what_the_split_takes(seed):
+    """The blocks ``scratch_prefix`` counts for a batch's trees always suffice for
+    ``split_into_chains`` (wherever each root sits in its block), and a capacity
+    cut keeps a BFS prefix within it."""
+    from vllm_treespec.attention.chain_split import scratch_prefix
+
+    step = TreeStep(seed, block_sizes=(2, 4, 16, 128))
+    parents = [step.tree.parent[b, 1: int(n) + 1].tolist()
+               for b, n in enumerate(step.tree.num_nodes)]
+    counted = [scratch_prefix(p, step.bs, 10**9) for p in parents]
+    assert all(n == len(p) for (n, _), p in zip(counted, parents))
+    need = sum(blocks for _, blocks in counted)
+    step.spare = step.spare[:need]
+    assert step.plan() is not None
+    cap = random.Random(seed).randint(0, need)
+    n, blocks = scratch_prefix(parents[0], step.bs, cap)
+    assert blocks <= cap and scratch_prefix(parents[0][:n], step.bs, 10**9) == (n, blocks)
+    if n < len(parents[0]):
+        assert scratch_prefix(parents[0][:n + 1], step.bs, 10**9)[1] > cap

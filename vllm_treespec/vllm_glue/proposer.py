@@ -44,6 +44,7 @@ from vllm_treespec.observability import trace_dir_from, validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.attention import DraftTreeLevelMetadata
+from vllm_treespec.attention.chain_split import scratch_prefix
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.vllm_glue.copy_source import CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
@@ -378,6 +379,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         num = np.where(allowed, num[:B], 0)
         copies = self._copy_plan(trees, probs if trees is not None else None, num, roots)
         kappa = self.policy.kappa if self.policy is not None else 1.0
+        scratch = self._scratch_capacity(B)
         out: list[list[int]] = []
         for b, req_id in enumerate(req_ids):
             n = int(num[b])
@@ -387,12 +389,29 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                 tree = ProposedTree(*self.copies.grafted(
                     tree.tokens, tree.parents, tree.probs, copies[0][b], copies[1][b],
                     self.tree_cfg.num_nodes, self.tree_cfg.max_children, kappa))
+            if scratch is not None and tree.tokens:
+                kept, blocks = scratch_prefix(tree.parents, self.block_size, scratch)
+                tree, scratch = tree.prefix(kept), scratch - blocks
             out.append(tree.tokens)
             if tree.tokens:
                 self.proposed[req_id] = tree
             else:
                 self.proposed.pop(req_id, None)
         return out
+
+    def _scratch_capacity(self, batch_size: int) -> int | None:
+        """Scratch blocks the next verify step's trees may take, or None for no bound.
+
+        A CPU runner verifies trees as chains of the native kernel in its spare
+        blocks (``cpu_attention``); a step whose trees need more falls back to the
+        torch tree attention for every tree row, which gathers each tree request's
+        whole context: cheap for one request, seconds a step for dozens at long
+        contexts. So where the adaptive budget sizes trees for speed and there is
+        more than one request, trees are cut (BFS prefixes, in batch order) to what
+        the spare blocks verify natively. A lone request's tree, and a fixed tree
+        (``adaptive`` false: every request gets the full tree), are never cut."""
+        spare = getattr(self.runner, "tree_spare_blocks", None)
+        return len(spare) if spare and batch_size > 1 and self.policy is not None else None
 
     def _copies_wanted(self, roots) -> bool:
         """Whether this step searches for copies: they are on, the step has its
