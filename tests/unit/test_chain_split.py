@@ -208,11 +208,18 @@ def test_scratch_prefix_bounds_what_the_split_takes(seed):
     step = TreeStep(seed, block_sizes=(2, 4, 16, 128))
     parents = [step.tree.parent[b, 1: int(n) + 1].tolist()
                for b, n in enumerate(step.tree.num_nodes)]
+    roots = [s - q for s, q in zip(step.seq_lens, step.q_lens)]
     counted = [scratch_prefix(p, step.bs, 10**9) for p in parents]
-    assert all(n == len(p) for (n, _), p in zip(counted, parents))
-    need = sum(blocks for _, blocks in counted)
-    step.spare = step.spare[:need]
+    exact = [scratch_prefix(p, step.bs, 10**9, r) for p, r in zip(parents, roots)]
+    assert all(n == len(p) for (n, _), p in zip(counted + exact, parents + parents))
+    need = sum(blocks for _, blocks in exact)
+    assert need <= sum(blocks for _, blocks in counted)
+    spare = step.spare
+    step.spare = spare[:need]
     assert step.plan() is not None
+    if need:  # exact: one block fewer is too few
+        step.spare = spare[:need - 1]
+        assert step.plan() is None
     cap = random.Random(seed).randint(0, need)
     n, blocks = scratch_prefix(parents[0], step.bs, cap)
     assert blocks <= cap and scratch_prefix(parents[0][:n], step.bs, 10**9) == (n, blocks)

@@ -139,17 +139,23 @@ def split_into_chains(tree_mask: torch.Tensor, query_start_loc: torch.Tensor,
         read_slots=as_long(read_slots))
 
 
-def scratch_prefix(parents: list[int], block_size: int, capacity: int) -> tuple[int, int]:
+def scratch_prefix(parents: list[int], block_size: int, capacity: int,
+                   root_position: int | None = None) -> tuple[int, int]:
     """(n, blocks): the longest BFS prefix of a draft tree (its first ``n`` nodes;
     ``parents`` as in ``ProposedTree``, root = 0) whose chains fit ``capacity``
     scratch blocks in ``split_into_chains``, and the blocks it takes.
 
-    A bound that holds wherever the root sits in its block: a chain whose path is
-    not the linear one (node j at depth j) takes at most ``1 + ceil(d / B)`` blocks
-    for its last node at depth d (``split_into_chains`` takes the blocks from
-    the root's to the last node's). A prefix's chains are the tree's chains cut
-    short (a node's first child comes first in BFS order), so the cost only grows
-    with ``n``."""
+    A chain whose path is not the linear one (node j at depth j) takes the blocks
+    from the root's to its last node's: exactly that count with the verify step's
+    ``root_position`` (its P), else ``1 + ceil(d / B)`` for a last node at depth d,
+    a bound wherever the root sits in its block. A prefix's chains are the tree's
+    chains cut short (a node's first child comes first in BFS order), so the cost
+    only grows with ``n``."""
+    def blocks(depth: int) -> int:
+        if root_position is None:
+            return 1 + -(-depth // block_size)
+        return (root_position + depth) // block_size - root_position // block_size + 1
+
     path_len = [1]                           # nodes on the path root .. node, per node
     first_child: dict[int, int] = {}
     chain_of = [0]
@@ -158,7 +164,7 @@ def scratch_prefix(parents: list[int], block_size: int, capacity: int) -> tuple[
     for k, p in enumerate(parents, start=1):
         depth = path_len[p]
         chain = chain_of[p] if first_child.setdefault(p, k) == k else k
-        cost = 0 if k == depth else 1 + -(-depth // block_size)  # linear iff node k at depth k
+        cost = 0 if k == depth else blocks(depth)  # linear iff node k sits at depth k
         grown = total - chain_cost.get(chain, 0) + cost
         if grown > capacity:
             return k - 1, total

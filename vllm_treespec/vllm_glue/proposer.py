@@ -298,7 +298,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         check_s = time.perf_counter() - t_check
-        drafts = self._hand_over(trees, roots)
+        drafts = self._hand_over(trees, roots, prefix_len.tolist())
         if self.policy is not None:
             # The rest of the step (planning, roots, selection, hand-over) is
             # fixed drafting work; catching up belongs to the off steps before,
@@ -358,10 +358,12 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                               if i in set(self.topology.parent[1:])) + 1)
         return max(1, cfg.top_k * (cfg.depth - 1))
 
-    def _hand_over(self, trees: TreeBatch | None,
-                   roots: torch.Tensor | None = None) -> list[list[int]]:
+    def _hand_over(self, trees: TreeBatch | None, roots: torch.Tensor | None = None,
+                   root_positions: list[int] | None = None) -> list[list[int]]:
         """Draft token lists for the scheduler; remember each tree's shape.
-        ``roots``: each request's new root, to graft copy branches below."""
+        ``roots``: each request's new root, to graft copy branches below;
+        ``root_positions``: where they sit (the trees' scratch blocks are counted
+        exactly with them, bounded without)."""
         req_ids = self.runner.input_batch.req_ids
         B = len(req_ids)
         if trees is None and not self._copies_wanted(roots):
@@ -390,7 +392,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                     tree.tokens, tree.parents, tree.probs, copies[0][b], copies[1][b],
                     self.tree_cfg.num_nodes, self.tree_cfg.max_children, kappa))
             if scratch is not None and tree.tokens:
-                kept, blocks = scratch_prefix(tree.parents, self.block_size, scratch)
+                kept, blocks = scratch_prefix(tree.parents, self.block_size, scratch,
+                                              None if root_positions is None
+                                              else root_positions[b])
                 tree, scratch = tree.prefix(kept), scratch - blocks
             out.append(tree.tokens)
             if tree.tokens:
