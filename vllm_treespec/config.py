@@ -269,9 +269,11 @@ class TreeSpecConfig(BaseModel):
         """T = 1 + M: query tokens of one request in a verify step."""
         return 1 + self.num_nodes
 
-    def max_candidates(self) -> int:
-        """Candidates a dynamic tree ranks: K at depth 1, K*K at each deeper level."""
-        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+    def max_candidates(self, depth: int | None = None) -> int:
+        """Candidates a dynamic tree of ``depth`` (default: the configured one)
+        ranks: K at depth 1, K*K at each deeper level."""
+        depth = self.depth if depth is None else depth
+        return self.top_k + (depth - 1) * self.top_k * self.top_k
 
     # --- construction --------------------------------------------------
     @classmethod

@@ -111,8 +111,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         if self.topology is not None:
             return StaticTreeBuilder(batch_size, self.topology, self.device, None,
                                      self._token_map())
-        candidates = cfg.top_k + (depth - 1) * cfg.top_k * cfg.top_k
-        return DynamicTreeBuilder(batch_size, cfg.top_k, depth, min(cfg.num_nodes, candidates),
+        return DynamicTreeBuilder(batch_size, cfg.top_k, depth,
+                                  min(cfg.num_nodes, cfg.max_candidates(depth)),
                                   self.device, None, self._token_map(), cfg.depth_weight)
 
     def propose(self, *args, **kwargs) -> list[list[int]]:

@@ -318,7 +318,7 @@ class TreeRunnerMixin(StepCostCalibration):
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         t0 = time.perf_counter()
-        # On a fresh frame-stack chunk: see frame_stack (15 % of a served step).
+        # On a fresh frame-stack chunk: see frame_stack (why, and what it saves).
         out = call_on_fresh_chunk(super().execute_model, scheduler_output,
                                   intermediate_tensors)
         state = getattr(self, "execute_model_state", None)

@@ -25,11 +25,3 @@ class TreeCPUWorker(CPUWorker):
         with runner_class_swapped(cpu_worker, "CPUModelRunner", tree_cpu_runner_class, self):
             super().init_device()
 
-
-def __getattr__(name: str):
-    # The Ascend worker imports torch_npu and vllm_ascend: load it only on request.
-    if name == "TreeNPUWorker":
-        from vllm_treespec.vllm_glue.ascend.worker import TreeNPUWorker
-
-        return TreeNPUWorker
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
