@@ -18,9 +18,9 @@ def test_short_soak_keeps_every_promise(tmp_path):
 
     Preemption must happen on both servers (the soak counts a server that was
     never preempted as a violation: it did not exercise the path). The soak's
-    preemption burst makes it happen by construction (12 requests that fit the
-    12-block cache at once and must each grow into a second block); the mix alone
-    once left the tree server unpreempted."""
+    preemption burst makes it happen by construction (11 requests that fit the
+    11 blocks of the 12-block cache that hold KV at once and must each grow into a
+    second block); the mix alone once left the tree server unpreempted."""
     from vllm_treespec.bench.soak import FAULT_SERVER, main
 
     rc = main(["--requests", "32", "--concurrency", "16", "--trees", "", "--quiet", "4",

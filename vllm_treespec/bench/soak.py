@@ -189,7 +189,7 @@ class ServerRun:
     healthy_end: bool
     metrics: dict
     burst: list  # the preemption burst's results (soak_mix.preemption_burst)
-    burst_preemptions: float  # preemptions during the burst
+    burst_preemptions: float | None  # preemptions during the burst (None: unread)
     dumps: int
     injected_dumps: int  # dumps of the --invalid-trees fault (its token -1)
 
@@ -225,9 +225,10 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         spec_on = tree is not None
         quiet_before = asyncio.run(run_load(url, quiet, 1))
         asyncio.run(run_load(url, warm, args.concurrency, spec_on))
-        before = metric_sum(server.metrics(), "vllm:num_preemptions_total")
+        before = _preemptions(server)
         burst_results = asyncio.run(run_load(url, list(burst), max(1, len(burst)), spec_on))
-        burst_preemptions = metric_sum(server.metrics(), "vllm:num_preemptions_total") - before
+        after = _preemptions(server)
+        burst_preemptions = None if before is None or after is None else after - before
         by_process = [idle_resident_bytes(server.proc.pid)]  # after warm-up, then each pass
         loads, walls = [], []
         for _ in range(passes):
@@ -243,6 +244,15 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
                      alive, metrics, burst_results, burst_preemptions,
                      dumps=_count_lines(log, "batch dumped to"),
                      injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
+
+
+def _preemptions(server: Server) -> float | None:
+    """vLLM's preemption counter; None if /metrics does not answer (a dead
+    server: its requests' failures and /health are the violations then)."""
+    try:
+        return metric_sum(server.metrics(), "vllm:num_preemptions_total")
+    except OSError:
+        return None
 
 
 def _count_lines(log: Path, *needles: str) -> int:
@@ -299,7 +309,9 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
         if placeholders:  # a tree engine's scheduler pads no joining request (scheduling)
             violations.append(f"{name}: {placeholders:.0f} placeholder drafts were verified")
         preemptions = metric_sum(run.metrics, "vllm:num_preemptions_total")
-        if run.burst and not run.burst_preemptions:
+        if run.burst and run.burst_preemptions is None:
+            violations.append(f"{name}: /metrics did not answer around the preemption burst")
+        elif run.burst and not run.burst_preemptions:
             violations.append(f"{name}: the preemption burst preempted no request, against "
                               f"its construction (soak_mix.preemption_burst)")
         if not preemptions and not allow_no_preemption:

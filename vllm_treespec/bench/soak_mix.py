@@ -163,20 +163,25 @@ def preemption_burst(model: str, token_pool: list[int], kv_blocks: int, max_seqs
     """Greedy requests, sent at once, that must preempt one another: preemption by
     construction, not by how the mix happens to interleave.
 
-    ``n = min(max_seqs, kv_blocks)`` requests get prompts of ``p * B - B/2``
-    tokens (``p = kv_blocks // n`` blocks each, with room for a tree's lookahead of
-    up to B/2 slots), so all ``n`` fit in the cache at once; each must then decode
-    ``B`` tokens (``ignore_eos``), ending in ``p + 1`` blocks. Even ``n - 1`` of
-    them then need more blocks than the cache has, so some running request finds no
-    free block and vLLM preempts another. Each prompt starts with its own token, so
-    no two share a prefix-cached block. Empty when the cache is too large for
-    ``max_model_len`` to force it (the mix may still preempt)."""
-    n = min(max_seqs, kv_blocks)
-    per_request = kv_blocks // n
-    prompt_len, answer = per_request * block_size - block_size // 2, block_size
+    vLLM keeps one of the ``kv_blocks`` as its null block, so ``U = kv_blocks - 1``
+    hold KV. ``n = min(max_seqs, U)`` requests get prompts of ``p * B - B/2``
+    tokens (``p = U // n`` blocks each, with room for a tree's lookahead of up to
+    B/2 slots), so all ``n`` fit at once; each must then decode ``g * B`` tokens
+    (``ignore_eos``), ending in ``p + g`` blocks, with the least ``g`` for which
+    even ``n - 1`` of them need more than ``U``. So some running request finds no
+    free block and vLLM preempts another (a preempted request is recomputed, never
+    lost). Each prompt starts with its own token, so no two share a prefix-cached
+    block. Empty when the cache is too large for ``max_model_len`` to force it
+    (the mix may still preempt)."""
+    usable = kv_blocks - 1
+    n = min(max_seqs, max(1, usable))
+    per_request = usable // n
+    grow = 1
+    while n >= 3 and (n - 1) * (per_request + grow) <= usable:
+        grow += 1
+    prompt_len, answer = per_request * block_size - block_size // 2, grow * block_size
     heads = sorted(set(token_pool))
-    if (n < 3 or prompt_len + answer > max_model_len or len(heads) < n
-            or (n - 1) * (per_request + 1) <= kv_blocks):
+    if n < 3 or prompt_len + answer > max_model_len or len(heads) < n:
         return []
     burst = []
     for i in range(n):

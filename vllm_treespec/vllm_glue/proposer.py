@@ -289,17 +289,21 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         roots = next_token_ids[:batch_size].long()
         trees = (builder.finish(roots, budget, chain_only=True) if chain_only
                  else builder.finish(roots, budget))
-        if self.policy is not None:
-            self.policy.observe_budget(depth, float(trees.num_nodes.float().mean()),
-                                       branching=not chain_only,
-                                       unverified=int((trees.num_nodes == 0).sum()),
-                                       levels=levels_run if self.slot_state is None else None)
+        selected = trees.num_nodes.cpu().numpy()
         t_check = time.perf_counter()
         if self.tree_cfg.validate_invariants:
             trees = self._checked(trees, prefix_len)
         check_s = time.perf_counter() - t_check
         drafts = self._hand_over(trees, roots, prefix_len.tolist())
         if self.policy is not None:
+            # What the step goes on to verify of the drafter's nodes: the
+            # selection's, less what the scratch cut took (_scratch_capacity).
+            k = min(len(selected), len(drafts))
+            verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
+            self.policy.observe_budget(depth, float(verified.mean()) if k else 0.0,
+                                       branching=not chain_only,
+                                       unverified=int((selected == 0).sum()),
+                                       levels=levels_run if self.slot_state is None else None)
             # The rest of the step (planning, roots, selection, hand-over) is
             # fixed drafting work; catching up belongs to the off steps before,
             # and validation (a debugging mode) must not price speculation out.
@@ -413,7 +417,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         contexts. So where the adaptive budget sizes trees for speed and there is
         more than one request, trees are cut (BFS prefixes, in batch order) to what
         the spare blocks verify natively. A lone request's tree, and a fixed tree
-        (``adaptive`` false: every request gets the full tree), are never cut."""
+        (``adaptive`` false: every request gets the full tree), are never cut.
+        The bound is per hand-over: a request left out of the next step keeps its
+        tree for a later one, beside trees cut without it (that step may fall back)."""
         spare = getattr(self.runner, "tree_spare_blocks", None)
         return len(spare) if spare and batch_size > 1 and self.policy is not None else None
 
