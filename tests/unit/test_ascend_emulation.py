@@ -221,6 +221,15 @@ def _a_call(batch):
                                 h.num_heads, h.num_kv_heads, h.scale)
 
 
+def _c_call(batch):
+    """tree_sparse's one FIA v2 call (sparse_mode 9) for ``batch``'s tree rows."""
+    plan = plan_tree_rows(batch.tree_rows)
+    h = batch.heads
+    return tree_sparse_call(plan, buffers_for(batch, plan),
+                            batch.query.index_select(0, plan.rows), batch.key_cache,
+                            batch.value_cache, h.num_heads, h.num_kv_heads, h.scale)
+
+
 def _a_rows(plan, out):
     return out[plan.valid]
 
@@ -274,12 +283,7 @@ def test_sparse_mode_9_on_the_v1_api_is_rejected(ops, tree_batch):
 
 def test_sparse_mode_9_on_v2_is_an_assumption_the_emulation_can_refuse(tree_batch):
     # v2's docs list sparse modes 0-4: tree_sparse's call is emulated only as assumed.
-    plan = plan_tree_rows(tree_batch.tree_rows)
-    h = tree_batch.heads
-    call = tree_sparse_call(plan, buffers_for(tree_batch, plan),
-                            tree_batch.query.index_select(0, plan.rows),
-                            tree_batch.key_cache, tree_batch.value_cache,
-                            h.num_heads, h.num_kv_heads, h.scale)
+    call = _c_call(tree_batch)
     call(EmulatedTorchNPU())
     with pytest.raises(FIAContractError, match="modes 0-4"):
         call(EmulatedTorchNPU(assume_v2_tree_mask=False))
@@ -297,12 +301,7 @@ def test_tnd_with_a_user_mask_and_sparse_0_is_rejected(ops, tree_batch):
 
 
 def test_inverted_tree_sparse_mask_is_rejected(ops, tree_batch):
-    plan = plan_tree_rows(tree_batch.tree_rows)
-    h = tree_batch.heads
-    call = tree_sparse_call(plan, buffers_for(tree_batch, plan),
-                            tree_batch.query.index_select(0, plan.rows),
-                            tree_batch.key_cache, tree_batch.value_cache,
-                            h.num_heads, h.num_kv_heads, h.scale)
+    call = _c_call(tree_batch)
     with pytest.raises(FIAContractError, match="diagonal"):
         call.with_kwargs(atten_mask=(1 - call.kwargs["atten_mask"]).contiguous())(ops)
 

@@ -122,11 +122,8 @@ def prefix_call(query_tnd: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """B, first pass: every query sees its whole committed prefix (no mask),
     with the log-sum-exp the merge needs. TND without rope: documented for head
     size 128/192 and bfloat16 only (:mod:`.documented`)."""
-    return OpCall(FIA, (query_tnd, paged_kv(key_cache), paged_kv(value_cache)), dict(
-        block_table=block_table, input_layout="TND", block_size=key_cache.shape[1],
-        actual_seq_lengths=list(cu_q_lens), actual_seq_lengths_kv=list(prefix_lens),
-        num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
-        sparse_mode=SPARSE_DEFAULT_MASK, softmax_lse_flag=True), "prefix")
+    return _prefix_lse_call(query_tnd, "TND", list(cu_q_lens), key_cache, value_cache,
+                            block_table, prefix_lens, num_heads, num_kv_heads, scale, "prefix")
 
 
 def draft_prefix_call(query_bsnd: torch.Tensor, key_cache: torch.Tensor,
@@ -139,11 +136,21 @@ def draft_prefix_call(query_bsnd: torch.Tensor, key_cache: torch.Tensor,
     documented for float16 and bfloat16 at any head size the op takes, where TND
     without rope is documented for bfloat16 at head size 128/192 only."""
     B, F = query_bsnd.shape[:2]
-    return OpCall(FIA, (query_bsnd, paged_kv(key_cache), paged_kv(value_cache)), dict(
-        block_table=block_table, input_layout="BSND", block_size=key_cache.shape[1],
-        actual_seq_lengths=[F] * B, actual_seq_lengths_kv=list(prefix_lens),
+    return _prefix_lse_call(query_bsnd, "BSND", [F] * B, key_cache, value_cache, block_table,
+                            prefix_lens, num_heads, num_kv_heads, scale, "draft_prefix")
+
+
+def _prefix_lse_call(query: torch.Tensor, layout: str, q_lens: list[int],
+                     key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_table: torch.Tensor, prefix_lens: Sequence[int], num_heads: int,
+                     num_kv_heads: int, scale: float, label: str) -> OpCall:
+    """Queries over their paged prefix, no mask, with the log-sum-exp (the first
+    pass of both two-pass forms; ``q_lens`` in ``layout``'s convention)."""
+    return OpCall(FIA, (query, paged_kv(key_cache), paged_kv(value_cache)), dict(
+        block_table=block_table, input_layout=layout, block_size=key_cache.shape[1],
+        actual_seq_lengths=q_lens, actual_seq_lengths_kv=list(prefix_lens),
         num_heads=num_heads, num_key_value_heads=num_kv_heads, scale=scale,
-        sparse_mode=SPARSE_DEFAULT_MASK, softmax_lse_flag=True), "draft_prefix")
+        sparse_mode=SPARSE_DEFAULT_MASK, softmax_lse_flag=True), label)
 
 
 def dense_masked_call(query_bsnd: torch.Tensor, key_bsnd: torch.Tensor,
