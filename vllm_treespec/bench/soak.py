@@ -15,11 +15,15 @@ preempted, ``validate_invariants`` on. Each server then gets, in order:
    (``soak_mix.preemption_burst``: preemption by construction), after which the
    server's resident memory (all its processes, read once the server has idled
    ``IDLE_SETTLE_S``) is the baseline;
-3. the load: ``--requests`` requests of the mix in ``soak_mix`` at up to
+3. the requests vLLM refuses with any speculative method (``soak_mix.
+   REFUSED_WITH_SPECULATION``: a 4xx from a tree server, an answer from plain
+   vLLM), apart and untimed, so that every server's timed passes carry the same
+   requests;
+4. the load: the other ``--requests`` requests of the mix in ``soak_mix`` at up to
    ``--concurrency`` in flight (the plain server runs it twice, to measure how
    often vLLM's own batch-dependent numerics change a greedy answer; a tree server
    runs it ``--tree-passes`` times, and the plain server at least as often);
-4. the quiet subset again, ``/health``, resident memory, ``/metrics``.
+5. the quiet subset again, ``/health``, resident memory, ``/metrics``.
 
 It fails (exit 1) on any violation: a valid request that does not complete, an
 invalid one without a 4xx and a message, any 5xx, a dead server, a quiet answer
@@ -69,8 +73,8 @@ import urllib.request
 from pathlib import Path
 
 from vllm_treespec.bench.server import Server, metric_sum
-from vllm_treespec.bench.soak_mix import (CHAT, SoakRequest, build_mix, preemption_burst,
-                                          run_load)
+from vllm_treespec.bench.soak_mix import (CHAT, REFUSED_WITH_SPECULATION, SoakRequest, build_mix,
+                                          preemption_burst, run_load)
 
 TREES = {
     "adaptive": {"validate_invariants": True},
@@ -192,6 +196,7 @@ class ServerRun:
     burst_preemptions: float | None  # preemptions during the burst (None: unread)
     dumps: int
     injected_dumps: int  # dumps of the --invalid-trees fault (its token -1)
+    untimed: list = dataclasses.field(default_factory=list)  # results of the untimed requests
 
     @property
     def rss_warm(self) -> int:
@@ -204,7 +209,7 @@ class ServerRun:
 
 def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix, out: Path,
                 drafter: str, passes: int, invalid_trees: int = 0,
-                burst: list[SoakRequest] = ()) -> ServerRun:
+                burst: list[SoakRequest] = (), untimed: list[SoakRequest] = ()) -> ServerRun:
     serve_args = ["--dtype", "float32", "--max-model-len", str(args.max_model_len), "--seed", "0",
                   "--block-size", str(BLOCK_SIZE), "--max-num-seqs", str(args.concurrency),
                   "--num-gpu-blocks-override", str(kv_blocks(args))]
@@ -229,6 +234,7 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
         burst_results = asyncio.run(run_load(url, list(burst), max(1, len(burst)), spec_on))
         after = _preemptions(server)
         burst_preemptions = None if before is None or after is None else after - before
+        untimed_results = asyncio.run(run_load(url, list(untimed), args.concurrency, spec_on))
         by_process = [idle_resident_bytes(server.proc.pid)]  # after warm-up, then each pass
         loads, walls = [], []
         for _ in range(passes):
@@ -243,7 +249,8 @@ def soak_server(name: str, tree: dict | None, args, model: str, quiet, warm, mix
     return ServerRun(name, quiet_before, quiet_after, loads, walls, by_process, rss_end,
                      alive, metrics, burst_results, burst_preemptions,
                      dumps=_count_lines(log, "batch dumped to"),
-                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"))
+                     injected_dumps=_count_lines(log, "batch dumped to", "token -1 outside"),
+                     untimed=untimed_results)
 
 
 def _preemptions(server: Server) -> float | None:
@@ -285,7 +292,8 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
     summary, violations = {}, []
     base_diff, base_n = greedy_mismatches(mix, plain.loads[0], plain.loads[1])
     for name, run in runs.items():
-        bad = [(r.index, r.kind, r.violation) for load in [run.burst, *run.loads] for r in load
+        bad = [(r.index, r.kind, r.violation)
+               for load in [run.burst, run.untimed, *run.loads] for r in load
                if r.violation]
         violations += [f"{name}: request {i} ({kind}): {why}" for i, kind, why in bad]
         for label, quiet in (("before", run.quiet_before), ("after", run.quiet_after)):
@@ -330,6 +338,7 @@ def check(runs: dict[str, ServerRun], mix: list[SoakRequest],
             "requests": {k: sum(r.kind.split(":")[0] == k for r in run.loads[0])
                          for k in ("chat", "completion", "fallback", "abort", "invalid")},
             "aborted": sum(r.aborted for r in run.loads[0]),
+            "untimed": len(run.untimed),
             "rss_mb": {"after_warmup": run.rss_warm >> 20,
                        "after_load": [rss >> 20 for rss in run.rss_passes],
                        "end": run.rss_end >> 20, "growth": [round(g, 3) for g in growth],
@@ -384,7 +393,10 @@ def markdown(summary: dict, violations: list[str], args) -> str:
     plain = [p["tok_s"] for p in summary["plain"]["load"]] if "plain" in summary else []
     if plain:
         mean = sum(plain) / len(plain)
-        lines += ["", "tok/s of the first pass against the mean of plain vLLM's passes: " + ", ".join(
+        untimed = summary["plain"]["untimed"]
+        lines += ["", f"tok/s of the first pass against the mean of plain vLLM's passes (the "
+                  f"{untimed} requests vLLM refuses under speculation sent apart, untimed): "
+                  + ", ".join(
             f"{name} {s['load'][0]['tok_s'] / mean:.3f}x" for name, s in summary.items()
             if name != "plain")]
     lines += ["", f"**{'PASS' if not violations else 'FAIL'}**: {len(violations)} violation(s)"]
@@ -414,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                              args.max_model_len)
     mix = build_mix(args.requests, args.seed, "soak", texts, pool, args.max_model_len,
                     max_tokens_cap=args.max_tokens_cap)
+    untimed = [r for r in mix if r.kind in REFUSED_WITH_SPECULATION]
+    mix = [r for r in mix if r.kind not in REFUSED_WITH_SPECULATION]
     if args.warmup is None:
         args.warmup = 2 * args.concurrency
     warm = [r for r in build_mix(args.warmup, args.seed + 1, "soak", texts, pool,
@@ -429,15 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         servers.append((FAULT_SERVER, TREES["fixed"]))
     for name, tree in servers:
         print(f"[soak] {name}: serving and loading", flush=True)
-        warm_sent, mix_sent = (warm, mix) if tree is not None else (
-            [r.unseeded() for r in warm], [r.unseeded() for r in mix])
+        warm_sent, mix_sent, untimed_sent = (warm, mix, untimed) if tree is not None else (
+            [r.unseeded() for r in warm], [r.unseeded() for r in mix],
+            [r.unseeded() for r in untimed])
         runs[name] = soak_server(name, tree, args, str(assets.target), quiet=quiet,
                                  warm=warm_sent, mix=mix_sent, out=out,
                                  drafter=str(assets.drafter),
                                  passes=max(2, args.tree_passes) if tree is None
                                  else args.tree_passes,
                                  invalid_trees=args.invalid_trees if name == FAULT_SERVER else 0,
-                                 burst=burst)
+                                 burst=burst, untimed=untimed_sent)
     summary, violations = check(runs, mix, args.allow_no_preemption)
     result = {"args": vars(args), "servers": summary, "violations": violations}
     (out / "soak.json").write_text(json.dumps(result, indent=1) + "\n")

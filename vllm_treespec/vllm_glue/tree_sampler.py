@@ -8,8 +8,10 @@ bonus token. So in tree mode:
 * where some request has no tree (or logprobs are asked for), every request
   first goes through vLLM's own ``Sampler`` on one row (its only row, or its root
   row): requests without a tree take that token as their output, and
-  batch-aligned logits processors see exactly the batch they expect; a batch of
-  trees only skips it (nothing of it would be used);
+  batch-aligned logits processors see exactly the batch they expect; only the
+  rows without a tree are drawn (``plain_rows``; the whole sampler where
+  logprobs are asked for); a batch of trees only skips it (nothing of it would
+  be used);
 * tree requests get their target distribution at the nodes from the same
   processing vLLM applies (allowed-token mask, repetition / frequency / presence
   penalties over ``output + path``, at the tokens they change: ``tree.penalties``;
@@ -49,8 +51,11 @@ from vllm_treespec.tree import (
     stochastic_accept,
     top_k_top_p_probs,
 )
-
-SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
+from vllm_treespec.vllm_glue.plain_rows import (
+    SAMPLING_EPS,
+    needs_whole_sampler,
+    sample_rows_without_tree,
+)
 
 
 def tree_safe(params, num_output_tokens: int) -> bool:
@@ -298,7 +303,13 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     if not skip_base:
         num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
         first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
-        base = sampler(logits=logits[first_rows], sampling_metadata=md)
+        if needs_whole_sampler(md):
+            base = sampler(logits=logits[first_rows], sampling_metadata=md)
+        else:  # vLLM's draw for the rows without a tree only
+            without_tree = torch.ones(num_reqs, dtype=torch.bool, device=dev)
+            without_tree[step.req_index] = False
+            base = sample_rows_without_tree(sampler, logits[first_rows], md,
+                                            without_tree.nonzero().squeeze(1))
     # 2. Tree requests: node distributions and acceptance. Greedy trees take the
     #    argmax of every node; sampled ones read their walk's nodes only.
     node_logits = NodeLogits(logits, step, md)
