@@ -583,24 +583,35 @@ def test_pipeline_parallelism_is_refused():
         check_engine(config(2), num_nodes=8)
 
 
-def _parallel_engine(**parallel):
+def _parallel_engine(moe: bool = False, **parallel):
     fields = dict(pipeline_parallel_size=1, tensor_parallel_size=2, data_parallel_size=1,
                   enable_expert_parallel=False, decode_context_parallel_size=1,
                   prefill_context_parallel_size=1)
     draft_tp = parallel.pop("draft_tensor_parallel_size", 2)
     return SimpleNamespace(parallel_config=SimpleNamespace(**dict(fields, **parallel)),
+                           model_config=SimpleNamespace(
+                               is_moe=moe, hf_config=SimpleNamespace(
+                                   model_type="qwen3_moe" if moe else "llama")),
                            speculative_config=SimpleNamespace(
                                draft_tensor_parallel_size=draft_tp))
 
 
-def test_tensor_parallelism_is_served():
+def test_tensor_and_dense_data_parallelism_are_served():
     support.check_parallelism(_parallel_engine())
     support.check_parallelism(_parallel_engine(tensor_parallel_size=1,
                                                draft_tensor_parallel_size=1))
+    support.check_parallelism(_parallel_engine(data_parallel_size=2))
+
+
+def test_data_parallelism_of_a_moe_target_is_refused_by_name():
+    with pytest.raises(TreeSpecConfigError) as err:
+        support.check_parallelism(_parallel_engine(moe=True, data_parallel_size=2))
+    assert ("data parallelism of a mixture-of-experts target (data_parallel_size 2, "
+            "model_type 'qwen3_moe')") in str(err.value), err.value
+    support.check_parallelism(_parallel_engine(moe=True))  # one replica: served
 
 
 @pytest.mark.parametrize("parallel, needle", [
-    ({"data_parallel_size": 2}, "data parallelism (data_parallel_size 2)"),
     ({"enable_expert_parallel": True}, "expert parallelism (enable_expert_parallel)"),
     ({"decode_context_parallel_size": 2},
      "context parallelism (decode_context_parallel_size 2)"),

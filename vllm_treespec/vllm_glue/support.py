@@ -123,18 +123,27 @@ def check_engine(vllm_config: Any, num_nodes: int) -> None:
 
 def check_parallelism(vllm_config: Any) -> None:
     """Tensor parallelism is served (every rank takes the same decisions:
-    ``rank_agreement``); the other kinds of parallelism are refused by name."""
+    ``rank_agreement``), and data parallelism of a dense target (independent
+    engines); the other kinds of parallelism are refused by name."""
     parallel = vllm_config.parallel_config
     stages = getattr(parallel, "pipeline_parallel_size", 1)
     if stages > 1:
         raise _refuse(f"pipeline parallelism (pipeline_parallel_size {stages})",
-                      "the tree's verify, commit and metrics run in the first stage's "
-                      "runner, and the step output vLLM keeps is the last stage's")
+                      "trees are drafted on the last stage, and every earlier stage would "
+                      "need each step's tree for its attention mask and the accepted path "
+                      "for its KV commit, which the tree runner does not pass between "
+                      "stages (docs/scale-out.md)")
     replicas = getattr(parallel, "data_parallel_size", 1)
-    if replicas > 1:
-        raise _refuse(f"data parallelism (data_parallel_size {replicas})",
-                      "untested with trees (MoE ranks step in lockstep with dummy "
-                      "batches, which draft no trees); serve one tree server per replica")
+    model = getattr(vllm_config, "model_config", None)
+    if replicas > 1 and getattr(model, "is_moe", False):
+        # A dense target's DP ranks are independent engines (vLLM's EngineCoreProc,
+        # each with its own scheduler, runner and budget): served (docs/scale-out.md).
+        raise _refuse(f"data parallelism of a mixture-of-experts target (data_parallel_size "
+                      f"{replicas}, model_type "
+                      f"{getattr(model.hf_config, 'model_type', '?')!r})",
+                      "vLLM steps MoE ranks in lockstep (dummy batches on idle ranks, a "
+                      "collective in every forward), and tree steps run a varying number "
+                      "of drafter forwards; serve one tree server per replica")
     if getattr(parallel, "enable_expert_parallel", False):
         raise _refuse("expert parallelism (enable_expert_parallel)",
                       "expert-parallel ranks exchange tokens every layer, and their "
