@@ -1,9 +1,13 @@
 """The supported vLLM releases are named once in code (``versions``); the set-up and
-test scripts, the package's extra and the README's support matrix agree with it."""
+test scripts, the package's extra and the README's support matrix agree with it;
+every bridge between releases lives in ``versions`` (a layout check)."""
 
 from __future__ import annotations
 
+import ast
+import io
 import re
+import tokenize
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,3 +95,47 @@ def test_a_release_without_the_switch_has_its_eagle_groups_cleared():
     assert not versions.clear_block_drop(kept, switched)
     assert kept.coordinator.eagle_group_ids == {0}
     assert not versions.clear_block_drop(_kv_cache_manager(set()), SimpleNamespace())
+
+
+RELEASE = re.compile(r"\b0\.\d{2}\.\d+\b")
+
+
+def release_bridges_outside_versions(glue: Path) -> list[str]:
+    """Places under ``glue`` (vllm_glue/) outside versions.py that tell vLLM releases
+    apart: a comment naming some release but not every supported one (a behaviour of
+    one release), or a read of vLLM's version (``versions.installed_release`` is
+    the one)."""
+    found = []
+    for path in sorted(glue.rglob("*.py")):
+        if path.name == "versions.py":
+            continue
+        text = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            named = set(RELEASE.findall(tok.string)) if tok.type == tokenize.COMMENT else set()
+            if named and not set(versions.SUPPORTED) <= named:
+                found.append(f"{path.name}:{tok.start[0]}: {tok.string.strip()}")
+        for node in ast.walk(ast.parse(text)):
+            reads = (isinstance(node, ast.Attribute) and node.attr == "__version__"
+                     and isinstance(node.value, ast.Name) and node.value.id == "vllm")
+            reads |= (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                      and node.func.id == "getattr" and len(node.args) >= 2
+                      and isinstance(node.args[0], ast.Name) and node.args[0].id == "vllm"
+                      and isinstance(node.args[1], ast.Constant)
+                      and node.args[1].value == "__version__")
+            if reads:
+                found.append(f"{path.name}:{node.lineno}: reads vLLM's version")
+    return found
+
+
+def test_every_release_bridge_is_in_versions():
+    assert release_bridges_outside_versions(ROOT / "vllm_treespec" / "vllm_glue") == []
+
+
+def test_the_bridge_check_catches_a_release_comment_and_a_version_read(tmp_path):
+    (tmp_path / "versions.py").write_text("# 0.32.0 only: allowed here\n")
+    (tmp_path / "runner.py").write_text(
+        "import vllm\n# vLLM 0.27.1, 0.32.0: both, allowed\n"
+        "x = 1  # vLLM 0.32.0 builds metadata for steps without drafts\n"
+        "v = getattr(vllm, '__version__', '?')\nw = vllm.__version__\n")
+    assert [f.split(": ", 1)[0] for f in release_bridges_outside_versions(tmp_path)] == [
+        "runner.py:3", "runner.py:4", "runner.py:5"]

@@ -32,7 +32,7 @@ from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.copy_source import eagle_outcome
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
-from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support
+from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support, versions
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.tree.proposed import ProposedTree
@@ -390,12 +390,8 @@ class TreeRunnerMixin(StepCostCalibration):
     def _sample_tree_or_stock(self, logits, spec_decode_metadata, seeds):
         step = self._verify
         if step is None or spec_decode_metadata is None:
-            # No tree this step. vLLM 0.32.0 builds speculative metadata for steps
-            # without drafts too; its rejection sampler fails on them under top-k
-            # (an empty draft set), and they are plain steps: sample them as such.
-            if spec_decode_metadata is not None and not any(
-                    spec_decode_metadata.num_draft_tokens):
-                spec_decode_metadata = None
+            # No tree this step: a step without drafts is sampled as a plain one.
+            spec_decode_metadata = versions.drafts_metadata(spec_decode_metadata)
             t0 = time.perf_counter()
             out = super()._sample(logits, spec_decode_metadata)
             self._step_sampling = (time.perf_counter() - t0, False)

@@ -45,9 +45,7 @@ _FORBIDDEN_STOCK_KEYS = {
     "draft_sample_method": "tree drafts are the drafter's top-k; acceptance is lossless",
     "rejection_sample_method": "tree acceptance has its own lossless rule",
     "num_speculative_tokens_per_batch_size": "tree budgets are set by 'num_nodes'",
-    # vLLM 0.32.0:
-    "enable_adaptive_verification": "tree budgets are sized by 'adaptive'",
-    "use_local_argmax_reduction": "tree drafting reads the drafter's whole distribution",
+    **versions.NEWER_STOCK_KEYS_TREES_SET,
 }
 
 
@@ -182,22 +180,9 @@ def _spec_dict(engine_args: Any) -> dict[str, Any] | None:
 
 
 def patch_model_runner_choice() -> None:
-    """vLLM picks its V2 model runner by default where Triton runs (0.32.0: CUDA,
-    and CPUs with triton-cpu); the tree runner is built on V1 (idempotent). In
-    tree mode V2 is reported as not supporting the method, so vLLM falls back to
-    V1 and says why; ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused (``check_engine``)."""
-    from vllm.config import VllmConfig
-
-    original = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
-    if original is None or getattr(original, "_treespec_wrapped", False):
-        return
-
-    def unsupported(self) -> list[str]:
-        out = original(self)
-        return out + [f"speculative method '{METHOD}'"] if tree_config_from_vllm(self) else out
-
-    unsupported._treespec_wrapped = True  # type: ignore[attr-defined]
-    VllmConfig._get_v2_model_runner_unsupported_features = unsupported
+    """Tree engines run vLLM's V1 model runner (``versions.keep_v1_model_runner``)."""
+    versions.keep_v1_model_runner(f"speculative method '{METHOD}'",
+                                  lambda config: tree_config_from_vllm(config) is not None)
 
 
 def check_resolved_drafter(vllm_config: Any, tree: TreeSpecConfig) -> None:
@@ -224,9 +209,7 @@ def patch_engine_args() -> None:
     def create_speculative_config(self, *args, **kwargs):
         spec = _spec_dict(self)
         if isinstance(spec, dict) and spec.get("method") == METHOD:
-            import vllm
-
-            support.check_vllm_version(getattr(vllm, "__version__", "unknown"))
+            support.check_vllm_version(versions.installed_release())
             keys = _stock_keys()
             stock, tree = translate(spec, keys)
             versions.switch_block_drop_off(stock, keys)  # prefix hits kept whole

@@ -25,12 +25,14 @@ integration tests have passed on it, see the README's support matrix):
     (0.27.1: 16);
   - speculative metadata is built for steps without drafts too, and the stock
     rejection sampler fails on them under top-k: the runner samples such steps
-    as plain ones (``TreeRunnerMixin._sample_tree_or_stock``);
+    as plain ones (``drafts_metadata``);
+  - the speculative config has keys trees set themselves
+    (``NEWER_STOCK_KEYS_TREES_SET``, refused in a tree config);
   - the CPU sampler draws a seeded row with a fused Gumbel-max kernel seeded
     from the request's generator, no longer with Exp(1) noise from it: tree
     steps draw seeded positions with vLLM's own op (``tree_sampler._seeded_draws``);
   - the V2 model runner is the default where Triton runs: tree engines fall
-    back to V1 (``spec_config.patch_model_runner_choice``);
+    back to V1 (``keep_v1_model_runner``);
   - EAGLE's drop of a prefix-cache hit's last block has a switch
     (``SpeculativeConfig.disable_eagle_block_drop``); 0.27.1 has none, and its
     KV cache coordinator's EAGLE groups are cleared instead
@@ -40,7 +42,7 @@ integration tests have passed on it, see the README's support matrix):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT = "0.32.0"
 SUPPORTED = ("0.27.1", "0.32.0")
@@ -157,3 +159,40 @@ class AscendPairing:
 ASCEND_PAIRINGS: dict[str, AscendPairing] = {
     "0.27.1": AscendPairing("182b75e", "2026-08-22", "2.10.0.post4", "9.1.0"),
 }
+
+
+# Stock speculative-config keys of 0.32.0 (0.27.1 has none of them) that trees set
+# themselves, with why: refused in a tree config (``spec_config.translate``).
+NEWER_STOCK_KEYS_TREES_SET = {
+    "enable_adaptive_verification": "tree budgets are sized by 'adaptive'",
+    "use_local_argmax_reduction": "tree drafting reads the drafter's whole distribution",
+}
+
+
+def drafts_metadata(spec_decode_metadata: Any) -> Any:
+    """A step's speculative metadata, or None for a step without drafts. 0.32.0
+    builds it for such steps too, and its rejection sampler fails on them under
+    top-k (an empty draft set); 0.27.1 builds none. They are plain steps."""
+    if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
+        return None
+    return spec_decode_metadata
+
+
+def keep_v1_model_runner(reason: str, applies: Callable[[Any], bool]) -> None:
+    """0.32.0 picks its V2 model runner by default where Triton runs (CUDA, and CPUs
+    with triton-cpu); the tree runner is built on V1. For configs ``applies`` to,
+    V2 is reported as not supporting ``reason``, so vLLM falls back to V1 and says
+    why (``VLLM_USE_V2_MODEL_RUNNER=1`` is refused: ``support.check_engine``).
+    0.27.1 has no V2 default: nothing to do. Idempotent."""
+    from vllm.config import VllmConfig
+
+    original = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+    if original is None or getattr(original, "_treespec_wrapped", False):
+        return
+
+    def unsupported(self) -> list[str]:
+        out = original(self)
+        return out + [reason] if applies(self) else out
+
+    unsupported._treespec_wrapped = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = unsupported
