@@ -262,3 +262,32 @@ def test_vllm_falls_back_to_its_v1_runner_for_trees(target_dir, random_drafter, 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises((TreeSpecConfigError, ValueError), match="eagle3_tree"):
         engine_config(target_dir, {"method": "eagle3_tree", "model": str(random_drafter)})
+
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000, "max_position_embeddings": 4096, "vocab_size": 49152,
+    "tie_word_embeddings": False, "torch_dtype": "float32"}
+
+
+@pytest.mark.parametrize("parallel, needle", [
+    ({"data_parallel_size": 2}, r"data parallelism of a mixture-of-experts target "
+                                r"\(data_parallel_size 2, model_type 'qwen3_moe'\)"),
+    ({"enable_expert_parallel": True}, r"expert parallelism \(enable_expert_parallel\)"),
+], ids=["dp2", "ep"])
+def test_a_moe_target_with_dp_or_ep_is_refused_before_anything_loads(target_dir, tmp_path,
+                                                                     parallel, needle):
+    """Qwen3-MoE's layout, from its config alone (docs/scale-out.md): vLLM steps a
+    mixture-of-experts target's DP ranks in lock step, which tree steps do not keep.
+    One replica of the same target passes the engine checks."""
+    from vllm_treespec.config import TreeSpecConfigError
+
+    moe, head = config_only_pair(target_dir, tmp_path, "qwen3-moe", QWEN3_MOE)
+    spec = {"method": "eagle3_tree", "model": str(head)}
+    with pytest.raises(TreeSpecConfigError, match=needle):
+        engine_config(moe, spec, max_model_len=1024, **parallel)
+    assert engine_config(moe, spec, max_model_len=1024).model_config.is_moe
