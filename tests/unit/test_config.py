@@ -63,3 +63,18 @@ def test_static_choices_imply_size_depth_and_width():
 def test_direct_construction_is_validated_too():
     with pytest.raises(TreeSpecConfigError, match="'top_k'"):
         TreeSpecConfig(top_k=-1)
+
+
+def test_the_engine_config_is_parsed_once_per_process_and_shared():
+    from types import SimpleNamespace
+
+    from vllm_treespec.vllm_glue.spec_config import ADDITIONAL_CONFIG_KEY, tree_config_from_vllm
+
+    def engine(**tree):
+        return SimpleNamespace(additional_config={ADDITIONAL_CONFIG_KEY: dict(tree)})
+
+    first = tree_config_from_vllm(engine(num_nodes=12, depth=4))
+    assert tree_config_from_vllm(engine(depth=4, num_nodes=12)) is first
+    assert tree_config_from_vllm(engine(num_nodes=8)) is not first
+    assert tree_config_from_vllm(engine(num_nodes=8)).num_nodes == 8
+    assert tree_config_from_vllm(SimpleNamespace(additional_config={})) is None

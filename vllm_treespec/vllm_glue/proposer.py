@@ -58,7 +58,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
-        cfg = tree_config_from_vllm(vllm_config)
+        # The runner's (parsed once: spec_config.tree_config_from_vllm).
+        cfg = runner.tree_cfg if runner is not None else tree_config_from_vllm(vllm_config)
         assert cfg is not None
         self.tree_cfg: TreeSpecConfig = cfg
         self.topology = StaticTopology.from_choices(cfg.choices) if cfg.is_static else None

@@ -22,6 +22,7 @@ is loaded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -82,10 +83,23 @@ def translate(spec: dict[str, Any], stock_keys: set[str] | None = None
 
 
 def tree_config_from_vllm(vllm_config: Any) -> TreeSpecConfig | None:
-    """The tree settings of a running engine, or None when not in tree mode."""
+    """The tree settings of a running engine, or None when not in tree mode.
+
+    ``translate`` validated them where the user's dict entered vLLM; every other
+    process reads them from the engine config (``additional_config``). Each
+    distinct setting is parsed once per process and the same frozen object is
+    handed to every consumer (runner, proposer, scheduler, backends, stat logger)."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, dict) else None
-    return None if raw is None else TreeSpecConfig.from_dict(raw)
+    if raw is None:
+        return None
+    key = json.dumps(raw, sort_keys=True)
+    if key not in _PARSED:
+        _PARSED[key] = TreeSpecConfig.from_dict(raw)
+    return _PARSED[key]
+
+
+_PARSED: dict[str, TreeSpecConfig] = {}  # tree_config_from_vllm's, by the stored dict
 
 
 WORKERS = {
