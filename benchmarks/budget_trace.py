@@ -59,7 +59,7 @@ def install(log: list, state: dict):
         from vllm_treespec.tree.accept import Outcome
 
         runner = worker.model_runner
-        policy = runner.tree_policy
+        policy = runner.adaptive_budget
         state.update(sweep=_table(policy), usage0=_usage())
         plan_depth, observe_step = policy.plan_depth, policy.observe_step
         select, observe_acceptance = policy.select, policy.observe_acceptance
@@ -109,7 +109,7 @@ def install(log: list, state: dict):
 def collect(state: dict):
     """A worker hook: the step-cost table and what it learned, after the run."""
     def hook(worker) -> bool:
-        policy = worker.model_runner.tree_policy
+        policy = worker.model_runner.adaptive_budget
         state.update(table=_table(policy), branch_cost_s=policy.branch_cost,
                      nodes_at=list(policy.nodes_at), usage1=_usage())
         return True

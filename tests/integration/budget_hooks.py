@@ -11,7 +11,7 @@ def record_plans(worker) -> bool:
     whether the step was a probe, and for a step that drafts, the decision's
     inputs (``decision_inputs``) (``recorded_plans``)."""
     runner = worker.model_runner
-    policy = runner.tree_policy
+    policy = runner.adaptive_budget
     plans = runner._recorded_plans = []
     original = policy.plan_depth
 

@@ -263,7 +263,7 @@ def schedule_speculation(worker, off_steps: int, period: int, mode: str = "defer
 
     policy.plan_depth = types.MethodType(plan_depth, policy)
     policy.observe_step = lambda *a, **k: None  # no cost model: select keeps full trees
-    runner.tree_policy = drafter.policy = policy
+    runner.adaptive_budget = drafter.adaptive_budget = policy
     drafter.defer_when_off = mode != "reference"
     if mode == "drop":
         take = drafter.deferred.take

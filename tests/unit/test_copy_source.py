@@ -158,7 +158,7 @@ def test_no_copies_while_the_budget_keeps_speculation_off():
 
     history = np.array([[5, 6, 7, 8, 9, 5, 6, 7]])  # ends where "5 6 7" began: "8 9 .."
     proposer = SimpleNamespace(
-        copies=CopySource(branches=2, length=4), policy=None, last_depth=3,
+        copies=CopySource(branches=2, length=4), adaptive_budget=None, last_depth=3,
         runner=SimpleNamespace(input_batch=SimpleNamespace(
             token_ids_cpu=history, num_tokens_no_spec=np.array([history.shape[1]]))))
     proposer._copies_wanted = lambda roots: TreeEagleProposer._copies_wanted(proposer, roots)

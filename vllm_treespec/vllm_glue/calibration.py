@@ -20,7 +20,7 @@ logger = logging.getLogger("vllm.treespec")
 
 class StepCostCalibration:
     """Needs the runner's ``_dummy_run``, ``model``, ``_sync_device``,
-    ``scheduler_config`` and ``tree_policy``."""
+    ``scheduler_config`` and ``adaptive_budget``."""
 
     def _calibrate_kernels(self) -> None:
         """Device hook: choose kernels by timing forwards (``_time_forward``)."""
@@ -53,7 +53,7 @@ class StepCostCalibration:
     def _calibrate_step_cost(self) -> None:
         """Seed the adaptive budget's step-cost table: time forwards (+ logits) of
         a sweep of token counts. Live steps refine it."""
-        policy = self.tree_policy
+        policy = self.adaptive_budget
         if policy is None:
             return
         limit = self.scheduler_config.max_num_batched_tokens

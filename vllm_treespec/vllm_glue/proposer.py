@@ -66,7 +66,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         self.proposed: dict[str, ProposedTree] = {}
         self.last_draft_seconds = 0.0
         # Set by the runner when the adaptive budget is on (vllm_treespec.policy).
-        self.policy = None
+        self.adaptive_budget = None
         self.last_depth = cfg.depth
         # Drafter passes skipped while speculation is off (see deferred_drafts),
         # caught up in passes of at most max_num_tokens (the drafter's buffers).
@@ -155,9 +155,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
         self._batch_req_ids = req_ids
-        if self.policy is not None and self.policy.catch_up_pending is None:
-            self.policy.catch_up_pending = self._catch_up_pending
-        depth = self.policy.plan_depth(batch_size) if self.policy is not None \
+        if self.adaptive_budget is not None and self.adaptive_budget.catch_up_pending is None:
+            self.adaptive_budget.catch_up_pending = self._catch_up_pending
+        depth = self.adaptive_budget.plan_depth(batch_size) if self.adaptive_budget is not None \
             else self.tree_cfg.depth
         self.last_depth = depth
         if (depth == 0 and self.defer_when_off
@@ -223,7 +223,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         scratch: dict = {}  # per-step backend state shared by the levels
         levels_run = nodes_forwarded = 0
         dynamic = self.topology is None
-        width_cap = (self.policy.level_width(depth) if self.policy is not None
+        width_cap = (self.adaptive_budget.level_width(depth) if self.adaptive_budget is not None
                      else self.tree_cfg.top_k)
         # One node a level (the chain's tip): a stock EAGLE chain step, with the
         # native kernel over the paged cache (see _chain_level).
@@ -238,14 +238,14 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             levels_run, nodes_forwarded = 1, batch_size * (depth - 1)
             level = builder.grow_from_marginals(level, marginals, width_cap)  # done: no loop
         # The adaptive budget may end a step's drafting before its planned depth.
-        stops_early = self.policy is not None and dynamic
+        stops_early = self.adaptive_budget is not None and dynamic
         while not builder.done and level.tokens.shape[1] > 0:
             F = level.tokens.shape[1]
             if dynamic and width_cap > 1:  # only frontier nodes whose children can be kept
                 F = min(F, width_cap, builder.selectable_width())
             elif dynamic:
                 F = min(F, width_cap)
-            if stops_early and not self.policy.level_pays(builder.frontier_scores(F),
+            if stops_early and not self.adaptive_budget.level_pays(builder.frontier_scores(F),
                                                           levels_run):
                 break  # too unsure to pay for another level (see AdaptiveBudget.level_pays)
             levels_run += 1
@@ -284,8 +284,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             level = builder.next_level(logprobs)
         levels_s = time.perf_counter() - t_levels
         budget, chain_only = None, False
-        if self.policy is not None and self.topology is None:
-            budget, chain_only = self.policy.select(builder.candidate_scores(), builder.M,
+        if self.adaptive_budget is not None and self.topology is None:
+            budget, chain_only = self.adaptive_budget.select(builder.candidate_scores(), builder.M,
                                                     builder.chain_candidates())
         roots = next_token_ids[:batch_size].long()
         trees = (builder.finish(roots, budget, chain_only=True) if chain_only
@@ -296,12 +296,12 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             trees = self._checked(trees, prefix_len)
         check_s = time.perf_counter() - t_check
         drafts = self._hand_over(trees, roots, prefix_len.tolist())
-        if self.policy is not None:
+        if self.adaptive_budget is not None:
             # What the step goes on to verify of the drafter's nodes: the
             # selection's, less what the scratch cut took (_scratch_capacity).
             k = min(len(selected), len(drafts))
             verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
-            self.policy.observe_budget(depth, float(verified.mean()) if k else 0.0,
+            self.adaptive_budget.observe_budget(depth, float(verified.mean()) if k else 0.0,
                                        branching=not chain_only,
                                        unverified=int((selected == 0).sum()),
                                        levels=levels_run if self.slot_state is None else None)
@@ -312,8 +312,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                     - check_s)
             first_s, levels_s, rest, catch_up_s = rank_agreement.timings(
                 t_first - t_catch_up, levels_s, rest, t_catch_up - t_before_catch_up)
-            self.policy.observe_catch_up(self.catch_up_tokens - caught_before, catch_up_s)
-            self.policy.observe_draft(num_tokens, first_s, levels_run,
+            self.adaptive_budget.observe_catch_up(self.catch_up_tokens - caught_before, catch_up_s)
+            self.adaptive_budget.observe_draft(num_tokens, first_s, levels_run,
                                       nodes_forwarded, levels_s, batch=batch_size,
                                       overhead_s=rest,
                                       one_wide=(dynamic and width_cap == 1
@@ -385,7 +385,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         allowed = self.runner.tree_allowed_mask(B)
         num = np.where(allowed, num[:B], 0)
         copies = self._copy_plan(trees, probs if trees is not None else None, num, roots)
-        kappa = self.policy.kappa if self.policy is not None else 1.0
+        kappa = self.adaptive_budget.kappa if self.adaptive_budget is not None else 1.0
         scratch = self._scratch_capacity(B)
         out: list[list[int]] = []
         for b, req_id in enumerate(req_ids):
@@ -422,7 +422,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         The bound is per hand-over: a request left out of the next step keeps its
         tree for a later one, beside trees cut without it (that step may fall back)."""
         spare = getattr(self.runner, "tree_spare_blocks", None)
-        return len(spare) if spare and batch_size > 1 and self.policy is not None else None
+        return len(spare) if spare and batch_size > 1 and self.adaptive_budget is not None else None
 
     def _copies_wanted(self, roots) -> bool:
         """Whether this step searches for copies: they are on, the step has its
@@ -445,11 +445,11 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         metrics = getattr(self.runner, "tree_metrics", None)
         if metrics is not None:
             metrics.on_fallback("copy_history_mismatches", mismatches)
-        kappa = self.policy.kappa if self.policy is not None else 1.0
+        kappa = self.adaptive_budget.kappa if self.adaptive_budget is not None else 1.0
         gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
                                 for b, n in enumerate(num.tolist()) if n)
         chains = trees is None or bool(trees.is_chain)
-        return found, self.copies.lengths(found, self.policy, gain, int(num.sum()), chains)
+        return found, self.copies.lengths(found, self.adaptive_budget, gain, int(num.sum()), chains)
 
     # ------------------------------------------------------------------ verify
     def tree_for(self, req_id: str, scheduled: list[int]) -> ProposedTree:

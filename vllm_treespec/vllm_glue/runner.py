@@ -72,14 +72,14 @@ class TreeRunnerMixin(StepCostCalibration):
             self.drafter = self._tree_proposer_class()(vllm_config, self.device, self)
         self._verify: VerifyStep | None = None
         self.tree_metrics = TreeMetrics.from_vllm_config(vllm_config, self.tree_cfg)
-        self.tree_policy: AdaptiveBudget | None = None
+        self.adaptive_budget: AdaptiveBudget | None = None
         if self.tree_cfg.adaptive and hasattr(self, "drafter"):
             cfg = self.tree_cfg
             # A static topology fixes the tree: no chain mode to price.
-            self.tree_policy = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.draft_width,
-                                              chains=not cfg.is_static,
-                                              parallel=cfg.draft == "parallel")
-            self.drafter.policy = self.tree_policy
+            self.adaptive_budget = AdaptiveBudget(cfg.num_nodes, cfg.depth, cfg.draft_width,
+                                                  chains=not cfg.is_static,
+                                                  parallel=cfg.draft == "parallel")
+            self.drafter.adaptive_budget = self.adaptive_budget
         self._step_start: float | None = None
         self._step_tokens = 0
         self._step_is_decode = False
@@ -105,7 +105,7 @@ class TreeRunnerMixin(StepCostCalibration):
 
     def sample_tokens(self, grammar_output):
         out = call_on_fresh_chunk(super().sample_tokens, grammar_output)
-        policy = self.tree_policy
+        policy = self.adaptive_budget
         if policy is not None and self._step_start is not None and self._step_is_decode:
             drafted = getattr(self.drafter, "last_draft_seconds", 0.0)
             sampled, tree = self._step_sampling
@@ -407,8 +407,8 @@ class TreeRunnerMixin(StepCostCalibration):
         outcome = Outcome.of(step.tree, acc)
         drafted = (outcome if self.drafter.copies is None
                    else self._observe_copies(step, acc, outcome))
-        if self.tree_policy is not None and drafted is not None:
-            self.tree_policy.observe_acceptance(drafted, step.depth, step.predicted)
+        if self.adaptive_budget is not None and drafted is not None:
+            self.adaptive_budget.observe_acceptance(drafted, step.depth, step.predicted)
         req_ids = (None if self.tree_metrics.trace is None else
                    [self.input_batch.req_ids[i] for i in step.req_index.tolist()])
         self.tree_metrics.on_verify(step, acc, outcome.accepted, t1 - t0,
