@@ -18,6 +18,7 @@ if [ $# -eq 0 ]; then
         "tests/integration/test_tensor_parallel.py::test_tp2_tree_server_answers_as_the_tp2_plain_server[adaptive]" \
         tests/integration/test_tensor_parallel.py::test_a_slow_rank_plans_the_same_depths \
         tests/integration/test_parallel_drafting.py \
+        tests/integration/test_data_parallel.py \
         tests/integration/test_http.py::test_tree_metrics_on_prometheus_endpoint \
         tests/integration/test_http.py::test_worker_returns_free_heap_when_the_engine_idles \
         tests/integration/test_metrics_api_servers.py \
