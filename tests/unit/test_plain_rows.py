@@ -4,7 +4,8 @@
 its draw on the rows without a tree only. Against the installed vLLM's
 ``Sampler`` on the whole batch (real metadata: greedy and sampled rows, top-k,
 top-p, penalties, seeded generators), the rows without a tree must come out the
-same token for token, and the draw must see only those rows.
+same token for token (and with their raw logprobs), and the draw must see only
+those rows.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.sampler import Sampler
 
-from vllm_treespec.vllm_glue.plain_rows import sample_rows_without_tree
+from vllm_treespec.vllm_glue.plain_rows import needs_whole_sampler, sample_rows_without_tree
 
 V = 257
 TEMPERATURE = [0.0, 0.8, 1.0, 0.7, 0.0, 1.0]
@@ -26,14 +27,15 @@ TOP_P = [1.0, 0.9, 1.0, 1.0, 1.0, 0.8]
 SEEDS = {1: 11, 2: 12, 3: 13, 5: 15}  # every sampled row seeded: its draw is reproducible
 
 
-def _metadata(seeds: dict[int, int], penalised: bool) -> SamplingMetadata:
+def _metadata(seeds: dict[int, int], penalised: bool, logprobs: int | None = None
+              ) -> SamplingMetadata:
     n = len(TEMPERATURE)
     rep = torch.tensor([1.3 if penalised and b % 2 else 1.0 for b in range(n)])
     return SamplingMetadata(
         temperature=torch.tensor(TEMPERATURE), all_greedy=False, all_random=False,
         top_p=torch.tensor(TOP_P), top_k=torch.tensor(TOP_K, dtype=torch.int32),
         generators={b: torch.Generator().manual_seed(s) for b, s in seeds.items()},
-        max_num_logprobs=None, no_penalties=not penalised,
+        max_num_logprobs=logprobs, no_penalties=not penalised,
         prompt_token_ids=torch.randint(0, V, (n, 6), generator=torch.Generator().manual_seed(1)),
         frequency_penalties=torch.full((n,), 0.2 if penalised else 0.0),
         presence_penalties=torch.zeros(n), repetition_penalties=rep,
@@ -68,6 +70,20 @@ def test_rows_without_a_tree_sample_what_the_whole_batch_sampler_samples():
     a = sample_rows_without_tree(Sampler(), _logits(), _metadata(SEEDS, False), rows)
     b = sample_rows_without_tree(Sampler(), _logits(), _metadata(other, False), rows)
     assert a.sampled_token_ids.view(-1)[rows].tolist() != b.sampled_token_ids.view(-1)[rows].tolist()
+
+
+def test_their_raw_logprobs_are_the_whole_sampler_s():
+    for mode in ("raw_logprobs", "raw_logits"):
+        whole = Sampler(logprobs_mode=mode)(_logits(), _metadata(SEEDS, True, logprobs=3))
+        rows = torch.tensor([0, 1, 3])
+        got = sample_rows_without_tree(Sampler(logprobs_mode=mode), _logits(),
+                                       _metadata(SEEDS, True, logprobs=3), rows)
+        for a, b in zip(got.logprobs_tensors[:3], whole.logprobs_tensors[:3]):
+            assert torch.equal(a[rows], b[rows]), mode
+    sampler = Sampler(logprobs_mode="processed_logprobs")
+    assert needs_whole_sampler(sampler, _metadata(SEEDS, False, logprobs=3))
+    assert not needs_whole_sampler(Sampler(), _metadata(SEEDS, False, logprobs=3))
+    assert needs_whole_sampler(Sampler(), _metadata(SEEDS, False, logprobs=-1))
 
 
 def test_the_draw_sees_only_the_sampled_rows_without_a_tree():

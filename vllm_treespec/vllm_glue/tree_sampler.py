@@ -9,8 +9,8 @@ bonus token. So in tree mode:
   first goes through vLLM's own ``Sampler`` on one row (its only row, or its root
   row): requests without a tree take that token as their output, and
   batch-aligned logits processors see exactly the batch they expect; only the
-  rows without a tree are drawn (``plain_rows``; the whole sampler where
-  logprobs are asked for); a batch of trees only skips it (nothing of it would
+  rows without a tree are drawn (``plain_rows``; the whole sampler for
+  processed or specific-token logprobs); a batch of trees only skips it (nothing of it would
   be used);
 * tree requests get their target distribution at the nodes from the same
   processing vLLM applies (allowed-token mask, repetition / frequency / presence
@@ -303,7 +303,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     if not skip_base:
         num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
         first_rows = spec_md.cu_num_sampled_tokens[:num_reqs].long() - num_sampled
-        if needs_whole_sampler(md):
+        if needs_whole_sampler(sampler, md):
             base = sampler(logits=logits[first_rows], sampling_metadata=md)
         else:  # vLLM's draw for the rows without a tree only
             without_tree = torch.ones(num_reqs, dtype=torch.bool, device=dev)
