@@ -8,14 +8,18 @@ head) answers chat prompts, sent all at once, with the DP = 2 plain server's gre
 text, and both of its engines drafted trees (vLLM's per-engine labels on our
 series). At T > 0 its draws pass ``test_sampling``'s homogeneity tests against the
 plain DP = 2 server's (``test_http``'s served draws: copies and drafter nodes as
-siblings). A mixture-of-experts target with DP is refused by name
-(``tests/unit/test_support.py``); docs/scale-out.md.
+siblings). Two "nodes" on loopback (node 0: the API server and rank 0; node 1:
+rank 1 ``--headless``) answer as the plain DP = 2 server, both engines drafting,
+and leave no process behind. A mixture-of-experts target with DP is refused by name
+(``test_config_errors``); docs/scale-out.md.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
+import time
 from pathlib import Path
 
 import openai
@@ -99,3 +103,65 @@ def test_dp2_tree_server_answers_and_samples_as_the_dp2_plain_server(plain_dp, t
     # costs under ~1.45x one).
     assert set(trees) == {"0", "1"} and min(trees.values()) > 0, trees
     assert_homogeneous(plain_draws, draws, "DP = 2 tree server")
+
+
+def test_dp2_across_two_nodes_on_loopback(plain_dp, target_dir, tmp_path):
+    """Two "nodes" on one machine, as docs/scale-out.md runs them on two: node 0
+    serves the API and DP rank 0, node 1 runs rank 1 headless and joins over
+    127.0.0.1 (its own process group, one core each). Same greedy text as the plain
+    DP = 2 server, both engines served requests and drafted trees, and every
+    process of both nodes is gone after SIGTERM."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from vllm_treespec.assets import committed_drafter_dir
+    from vllm_treespec.bench.server import free_port
+
+    reference, _ = plain_dp
+    spec = {"method": "eagle3_tree", "model": str(committed_drafter_dir())}
+    node_args = SERVE_ARGS + [
+        "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", str(free_port())]
+    kv = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+          **pinned_kernels()}
+    with open(tmp_path / "node1.log", "w") as log:
+        node1 = subprocess.Popen(
+            [sys.executable, "-m", "vllm_treespec", "serve", str(target_dir), "--headless",
+             "--data-parallel-start-rank", "1", *node_args,
+             "--speculative-config", json.dumps(spec)],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **kv, "VLLM_CPU_OMP_THREADS_BIND": "1"})
+    family = []
+    try:
+        node0 = Server(str(target_dir), node_args, spec, tmp_path / "node0.log",
+                       served_name="smollm2", env={**kv, "VLLM_CPU_OMP_THREADS_BIND": "0"},
+                       startup_timeout_s=600)
+        node0.client = openai.OpenAI(base_url=node0.base_url + "/v1", api_key="none",
+                                     timeout=300)
+        family = [p.pid for root in (node0.proc.pid, node1.pid)
+                  for p in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]]
+        try:
+            got = answers(node0.client)
+            m = node0.metrics()
+        finally:
+            node0.close()
+    finally:
+        node1.terminate()
+        try:
+            node1.wait(60)
+        except subprocess.TimeoutExpired:
+            node1.kill()
+    assert got == reference
+    requests = per_engine(m, "vllm:request_success_total")
+    trees = per_engine(m, "vllm_treespec:trees_total")
+    assert set(requests) == {"0", "1"} and min(requests.values()) > 0, requests
+    assert set(trees) == {"0", "1"} and min(trees.values()) > 0, trees
+    deadline = time.time() + 60
+    alive = family
+    while alive and time.time() < deadline:
+        alive = [pid for pid in family if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(1)
+    assert not alive, f"processes left after SIGTERM: {alive}"
