@@ -70,7 +70,7 @@ def install(log: list, state: dict):
             ratios = policy._ratios(batch)
             preds = None if ratios is None else {
                 f"{d}{'c' if c else 't'}": float(ratios[d - 1, int(c)])
-                for d in range(1, policy.D + 1) for c in (False, True)}
+                for d in range(1, policy.max_depth + 1) for c in (False, True)}
             depth = plan_depth(batch)
             log.append({"t": time.perf_counter(), "kind": "plan", "d": depth,
                         "chain": policy.chain_mode, "probe": policy.probing, "preds": preds,

@@ -31,7 +31,7 @@ def decision_inputs(policy, batch: int, depth: int) -> dict[str, float]:
     cost (with any branching extra), the accepted drafts A(d) a request and the
     predicted ratio."""
     chain = policy.chain_mode
-    n = depth if chain else min(float(policy.M), policy.nodes_at[depth - 1])
+    n = depth if chain else min(float(policy.max_nodes), policy.nodes_at[depth - 1])
     accepted = policy.chain_accepted_at if chain else policy.accepted_at
     plain = policy.plain_cost(batch)
     verify = float(policy.verify_costs(batch, [batch * (1 + n)])[0])

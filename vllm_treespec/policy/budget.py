@@ -118,8 +118,8 @@ class AdaptiveBudget(BudgetEstimates):
 
     def _tree_level_width(self, d: int) -> int:
         if d < 1 or not self.chains:  # a static topology forwards its levels whole
-            return self.K
-        return 1 if self.branch_at[min(d, self.D) - 1] < 0.5 else self.K
+            return self.width
+        return 1 if self.branch_at[min(d, self.max_depth) - 1] < 0.5 else self.width
 
     def predicted_ratio(self, batch: int, d: int, chain: bool = False) -> float | None:
         """Predicted throughput vs plain decoding of drafting to depth ``d``: in
@@ -134,9 +134,9 @@ class AdaptiveBudget(BudgetEstimates):
     def _ratios(self, batch: int) -> np.ndarray | None:
         """[depth, 2] predicted ratios of every depth as a tree (column 0) and
         as a chain (column 1); one pass, since ``plan_depth`` runs every step."""
-        D = self.D
+        D = self.max_depth
         depths = np.arange(1, D + 1, dtype=np.float64)
-        nodes = np.stack([np.minimum(float(self.M), np.asarray(self.nodes_at)), depths], 1)
+        nodes = np.stack([np.minimum(float(self.max_nodes), np.asarray(self.nodes_at)), depths], 1)
         t = self.step_cost.costs(np.concatenate([[batch], (batch * (1 + nodes)).ravel()]))
         if t is None:
             return None
@@ -153,12 +153,12 @@ class AdaptiveBudget(BudgetEstimates):
         # the must-show met").
         first = self.first_pass_cost.values(batch * (1 + nodes))
         first = 0.0 if first is None else first
-        wide, one = self.level_cost(batch * self.K), self.chain_level_cost(batch)
+        wide, one = self.level_cost(batch * self.width), self.chain_level_cost(batch)
         if wide is None:  # no wide level seen yet: K tips' worth of chain levels
-            wide = self.chain_level_cost(batch * self.K)
+            wide = self.chain_level_cost(batch * self.width)
         if one is None:
             one = self.level_cost(batch)
-        levels = {self.K: wide or 0.0, 1: one or 0.0}
+        levels = {self.width: wide or 0.0, 1: one or 0.0}
         if self.parallel:
             slots = self.level_cost.values(batch * (depths - 1))
             slots = np.zeros(D) if slots is None else np.where(depths > 1, slots, 0.0)
@@ -185,10 +185,10 @@ class AdaptiveBudget(BudgetEstimates):
         self._steps += 1
         ratios = self._ratios(batch)
         if ratios is None:  # no cost model yet: speculate fully
-            self.last_depth, self.chain_mode = self.D, False
-            return self.D
+            self.last_depth, self.chain_mode = self.max_depth, False
+            return self.max_depth
         best_d, best, chain_mode = 0, 1.0 + self.margin, False
-        for d in range(1, self.D + 1):
+        for d in range(1, self.max_depth + 1):
             for chain in (False, True) if self.chains else (False,):
                 r = float(ratios[d - 1, int(chain)])
                 if r > best:
@@ -200,7 +200,7 @@ class AdaptiveBudget(BudgetEstimates):
             # Explore one level deeper than the plan, to keep the statistics of
             # the next depth current (a full-depth probe of a wide batch would
             # cost more than the decision it informs); from off, with a chain.
-            best_d = min(self.D, best_d + 1)
+            best_d = min(self.max_depth, best_d + 1)
             chain_mode = self.chains and (chain_mode or best_d == 1)
         self.last_depth, self.chain_mode = best_d, chain_mode
         plain = self.plain_cost(batch)

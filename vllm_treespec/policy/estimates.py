@@ -31,7 +31,7 @@ class BudgetEstimates:
     BRANCH_EXTRA_DECAY = 0.01
 
     def __init__(self, num_nodes: int, depth: int, width: int):
-        self.M, self.D, self.K = num_nodes, depth, width
+        self.max_nodes, self.max_depth, self.width = num_nodes, depth, width
         # Seconds for N verified tokens: forward and the step's own work, neither
         # drafting nor sampling.
         self.step_cost = StepCostTable()
@@ -300,7 +300,7 @@ class BudgetEstimates:
                 self.observe_acceptance([0] * unverified, depth, 0.0)
             else:
                 self._unverified = unverified
-        if 1 <= depth <= self.D and not self.chain_mode:  # what tree mode keeps
+        if 1 <= depth <= self.max_depth and not self.chain_mode:  # what tree mode keeps
             self.nodes_at[depth - 1] = 0.8 * self.nodes_at[depth - 1] + 0.2 * nodes_per_request
             self.branch_at[depth - 1] = 0.8 * self.branch_at[depth - 1] + 0.2 * branching
             # Probes draft their whole depth (they explore it): what planned steps

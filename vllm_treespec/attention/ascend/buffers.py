@@ -47,7 +47,7 @@ class TreeAttentionBuffers:
                  head_size: int, dtype: torch.dtype, device, max_blocks: int,
                  block_size: int = ASCEND_BLOCK_SIZE):
         self.max_reqs, self.T = int(max_reqs), int(tree_size)
-        self.H, self.KVH, self.D = num_heads, num_kv_heads, head_size
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.dtype, self.device = dtype, torch.device(device)
         self.max_blocks, self.block_size = int(max_blocks), int(block_size)
         R = self.max_reqs
@@ -60,7 +60,8 @@ class TreeAttentionBuffers:
 
     # ---- memory -------------------------------------------------------------
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        R, T, H, KVH, D, dt = self.max_reqs, self.T, self.H, self.KVH, self.D, self.dtype
+        R, T, H, KVH, D, dt = (self.max_reqs, self.T, self.num_heads, self.num_kv_heads,
+                               self.head_size, self.dtype)
         return {"full_mask": ((R, 1, T, self.full_mask_columns), torch.int8),
                 "pair_mask": ((R, 1, T, T), torch.int8),
                 "flat_mask": ((R * T * T,), torch.int8),
@@ -85,7 +86,7 @@ class TreeAttentionBuffers:
         It is also the startup step that knows the variant, head size and dtype
         together, so a variant whose calls torch_npu's docs do not cover for them
         is refused here, by name (:func:`.documented.check_documented`)."""
-        check_documented(variant, self.D, self.dtype)
+        check_documented(variant, self.head_size, self.dtype)
         shapes = self._shapes()
         for name in _USES[variant]:
             shape, dtype = shapes[name]
@@ -197,7 +198,7 @@ class TreeAttentionBuffers:
 
     # ---- padded activations --------------------------------------------------
     def padded(self, name: str, heads: int) -> torch.Tensor:
-        return self._get(name, (self.max_reqs, self.T, heads, self.D), self.dtype)
+        return self._get(name, (self.max_reqs, self.T, heads, self.head_size), self.dtype)
 
     def lse(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self._get(name, shape, torch.float32)
