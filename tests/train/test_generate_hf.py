@@ -31,7 +31,7 @@ def _shards(answerer, directory, greedy_frac=1.0):
                             log=lambda _: None)
     from safetensors.numpy import load_file
 
-    from vllm_treespec.observability import read_jsonl
+    from vllm_treespec.jsonl import read_jsonl
 
     st, meta = shard_paths(directory, 0)
     return stats, load_file(str(st)), read_jsonl(meta)

@@ -303,12 +303,13 @@ def test_drafting_errors_that_come_and_go_are_served_around():
 def test_the_soaks_invalid_trees_are_armed_only_by_the_worker_extension(monkeypatch, tmp_path):
     """The injector used to live in the proposer, read from the environment by
     every server; now only a worker that imports the soak's extension has it."""
-    from vllm_treespec import observability
+    from vllm_treespec import observability, tree_fallback
     from vllm_treespec.bench import invalid_trees
     from vllm_treespec.tree import TreeBatch
     from vllm_treespec.vllm_glue import proposer as proposer_module
 
     assert not hasattr(observability, "InvalidTreeInjector")
+    assert not hasattr(tree_fallback, "InvalidTreeInjector")
     assert "InvalidTreeInjector" not in vars(proposer_module)
     proposer = proposer_module.TreeEagleProposer.__new__(proposer_module.TreeEagleProposer)
     proposer.runner = types.SimpleNamespace(

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_treespec import observability
+from vllm_treespec import jsonl
 
 NUM_HUMANEVAL = 80
 NUM_MTBENCH = 80
@@ -132,9 +132,9 @@ def write_jsonl(turns: list[Turn], path: str | os.PathLike, tokenizer=None,
         if output_tokens:
             row["output_tokens"] = output_tokens
         rows.append(row)
-    observability.write_jsonl(path, rows)
+    jsonl.write_jsonl(path, rows)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[Turn]:
     return [Turn(r["turn_id"], r["source"], r["messages"])
-            for r in observability.read_jsonl(path)]
+            for r in jsonl.read_jsonl(path)]

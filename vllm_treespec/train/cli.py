@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_treespec.observability import read_jsonl, write_jsonl
+from vllm_treespec.jsonl import read_jsonl, write_jsonl
 
 STAGES = ("prompts", "generate", "followups", "vocab", "train", "export")
 DEFAULT_WORK_ROOT = Path.home() / ".cache" / "vllm-treespec" / "drafter-work"

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_treespec.observability import read_jsonl
+from vllm_treespec.jsonl import read_jsonl
 
 
 @dataclasses.dataclass

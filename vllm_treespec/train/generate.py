@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_treespec.observability import write_jsonl
+from vllm_treespec.jsonl import write_jsonl
 
 FP16_MAX = 65504.0
 

@@ -40,7 +40,8 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.spec_decode.eagle import EagleProposer
 
 from vllm_treespec.config import TreeSpecConfig
-from vllm_treespec.observability import trace_dir_from, validated
+from vllm_treespec.observability import trace_dir_from
+from vllm_treespec.tree_fallback import validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.attention import DraftTreeLevelMetadata

@@ -27,7 +27,8 @@ import torch
 from vllm_treespec.policy import AdaptiveBudget
 from vllm_treespec.tree import Outcome, TreeBatch, apply_compaction, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata, TreeVerifyRows
-from vllm_treespec.observability import trace_dir_from, validated
+from vllm_treespec.observability import trace_dir_from
+from vllm_treespec.tree_fallback import validated
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.copy_source import eagle_outcome
