@@ -20,8 +20,10 @@ SUPPORTED_VLLM="0.27.1 0.32.0"  # as vllm_treespec/vllm_glue/versions.py SUPPORT
 VLLM_RELEASE="${VLLM_TREESPEC_VLLM:-$DEFAULT_VLLM}"
 case " $SUPPORTED_VLLM " in
     *" $VLLM_RELEASE "*) ;;
-    *) echo "[setup-env] VLLM_TREESPEC_VLLM has invalid value '$VLLM_RELEASE'; allowed: ${SUPPORTED_VLLM// /, }" >&2
-       return 2 2>/dev/null || exit 2 ;;
+    *) if [ "${VLLM_TREESPEC_ALLOW_UNTESTED_VLLM:-0}" != 1 ]; then
+           echo "[setup-env] VLLM_TREESPEC_VLLM has invalid value '$VLLM_RELEASE'; allowed: ${SUPPORTED_VLLM// /, } (another release only to test it: scripts/test-release.sh)" >&2
+           return 2 2>/dev/null || exit 2
+       fi ;;
 esac
 if [ "$VLLM_RELEASE" = "$DEFAULT_VLLM" ]; then
     VENV="${VLLM_TREESPEC_VENV:-$ROOT/.venv}"
