@@ -9,8 +9,9 @@ sort the whole vocabulary of every row as soon as one request sets top-p, which
 is the sampler's largest cost on the CPU, and the tree rows' draws are replaced
 by the tree acceptance anyway. ``sample_rows_without_tree`` runs vLLM's
 processing (and raw logprobs) on every row and vLLM's draw
-(``Sampler.topk_topp_sampler``) on the sampled rows without a tree only, with the top-k / top-p vLLM would pass for
-that sub-batch (none where no row of it sets one). A row's draw depends on its
+(``Sampler.topk_topp_sampler``) on the sampled rows without a tree only, with
+the top-k / top-p vLLM would pass for that sub-batch (none where no row of it
+sets one). A row's draw depends on its
 own logits and generator only (``tests/unit/test_seeded_noise.py``), so each
 request without a tree gets the token the whole-batch sampler would give it.
 """

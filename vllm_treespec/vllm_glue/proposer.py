@@ -246,8 +246,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                 F = min(F, width_cap, builder.selectable_width())
             elif dynamic:
                 F = min(F, width_cap)
-            if stops_early and not self.adaptive_budget.level_pays(builder.frontier_scores(F),
-                                                          levels_run):
+            if stops_early and not self.adaptive_budget.level_pays(
+                    builder.frontier_scores(F), levels_run):
                 break  # too unsure to pay for another level (see AdaptiveBudget.level_pays)
             levels_run += 1
             nodes_forwarded += batch_size * F
@@ -286,8 +286,8 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         levels_s = time.perf_counter() - t_levels
         budget, chain_only = None, False
         if self.adaptive_budget is not None and self.topology is None:
-            budget, chain_only = self.adaptive_budget.select(builder.candidate_scores(), builder.M,
-                                                    builder.chain_candidates())
+            budget, chain_only = self.adaptive_budget.select(
+                builder.candidate_scores(), builder.M, builder.chain_candidates())
         roots = next_token_ids[:batch_size].long()
         trees = (builder.finish(roots, budget, chain_only=True) if chain_only
                  else builder.finish(roots, budget))
@@ -302,10 +302,10 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             # selection's, less what the scratch cut took (_scratch_capacity).
             k = min(len(selected), len(drafts))
             verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
-            self.adaptive_budget.observe_budget(depth, float(verified.mean()) if k else 0.0,
-                                       branching=not chain_only,
-                                       unverified=int((selected == 0).sum()),
-                                       levels=levels_run if self.slot_state is None else None)
+            self.adaptive_budget.observe_budget(
+                depth, float(verified.mean()) if k else 0.0, branching=not chain_only,
+                unverified=int((selected == 0).sum()),
+                levels=levels_run if self.slot_state is None else None)
             # The rest of the step (planning, roots, selection, hand-over) is
             # fixed drafting work; catching up belongs to the off steps before,
             # and validation (a debugging mode) must not price speculation out.
@@ -314,11 +314,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             first_s, levels_s, rest, catch_up_s = rank_agreement.timings(
                 t_first - t_catch_up, levels_s, rest, t_catch_up - t_before_catch_up)
             self.adaptive_budget.observe_catch_up(self.catch_up_tokens - caught_before, catch_up_s)
-            self.adaptive_budget.observe_draft(num_tokens, first_s, levels_run,
-                                      nodes_forwarded, levels_s, batch=batch_size,
-                                      overhead_s=rest,
-                                      one_wide=(dynamic and width_cap == 1
-                                                and self.slot_state is None))
+            self.adaptive_budget.observe_draft(
+                num_tokens, first_s, levels_run, nodes_forwarded, levels_s, batch=batch_size,
+                overhead_s=rest, one_wide=dynamic and width_cap == 1 and self.slot_state is None)
         return self._finish_step(drafts, t0)
 
     def _catch_up_pending(self) -> tuple[int, int]:
