@@ -19,7 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import time
 from pathlib import Path
 
 import openai
@@ -27,7 +26,8 @@ import pytest
 
 from tests.integration.conftest import pinned_kernels
 from tests.integration.test_http import N_SERVED, served_draws
-from tests.integration.test_tensor_parallel import ALL_QUESTIONS, stop_and_assert_nothing_left
+from tests.integration.test_tensor_parallel import (ALL_QUESTIONS, assert_all_gone,
+                                                    stop_and_assert_nothing_left)
 from vllm_treespec.bench.server import Server
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -158,10 +158,4 @@ def test_dp2_across_two_nodes_on_loopback(plain_dp, target_dir, tmp_path):
     trees = per_engine(m, "vllm_treespec:trees_total")
     assert set(requests) == {"0", "1"} and min(requests.values()) > 0, requests
     assert set(trees) == {"0", "1"} and min(trees.values()) > 0, trees
-    deadline = time.time() + 60
-    alive = family
-    while alive and time.time() < deadline:
-        alive = [pid for pid in family if psutil.pid_exists(pid)
-                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(1)
-    assert not alive, f"processes left after SIGTERM: {alive}"
+    assert_all_gone(family)

@@ -109,6 +109,17 @@ def answers(client) -> dict:
     return out
 
 
+def assert_all_gone(family: list[int], timeout_s: float = 60) -> None:
+    """Every process of ``family`` exits (or is a zombie) within ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    alive = family
+    while alive and time.time() < deadline:
+        alive = [pid for pid in family if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(1)
+    assert not alive, f"processes left after SIGTERM: {alive}"
+
+
 def stop_and_assert_nothing_left(server: Server, busy: bool) -> None:
     """SIGTERM the server (with a long request streaming if ``busy``); every
     process it started must be gone within 60 s."""
@@ -129,13 +140,7 @@ def stop_and_assert_nothing_left(server: Server, busy: bool) -> None:
         streaming.start()
         time.sleep(3)
     server.close()
-    deadline = time.time() + 60
-    alive = family
-    while alive and time.time() < deadline:
-        alive = [pid for pid in family if psutil.pid_exists(pid)
-                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(1)
-    assert not alive, f"processes left after SIGTERM: {alive}"
+    assert_all_gone(family)
     if streaming is not None:
         streaming.join(30)
 
