@@ -143,9 +143,8 @@ class TreeSpecConfig(BaseModel):
         which nodes each level expands): those of highest path draft
         probability times ``depth_weight`` per level.
         1 is EAGLE-2's rule; a little above 1 (1.2) favours deeper nodes, which
-        accept more than their draft probability says (``benchmarks/
-        trace_replay.py selection``). The adaptive budget still sizes trees from the
-        draft probabilities.
+        accept more than their draft probability says (``bench/trace_replay.py
+        selection``). The adaptive budget still sizes trees from the draft probabilities.
     copy_branches: up to this many copy branches a request per step besides
         the drafter's (``tree.copy_drafts``): the continuations that followed
         the request's last tokens where they occurred before in its prompt or

@@ -26,7 +26,7 @@ def record_plans(worker) -> bool:
 
 
 def decision_inputs(policy, batch: int, depth: int) -> dict[str, float]:
-    """What the budget priced drafting to ``depth`` from (``AdaptiveBudget._ratios``):
+    """What the budget priced drafting to ``depth`` from (``AdaptiveBudget.predicted_ratios``):
     t(B) and the verify step t(B(1 + n(d))), each with its sampling, the drafting
     cost (with any branching extra), the accepted drafts A(d) a request and the
     predicted ratio."""

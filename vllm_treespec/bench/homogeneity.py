@@ -1,5 +1,5 @@
 """Chi-squared homogeneity of two samples of discrete outcomes (the T > 0 tests
-and ``benchmarks/stock_t1_lossless.py`` judge losslessness with it)."""
+and ``stock_t1_lossless.py`` judge losslessness with it)."""
 
 from __future__ import annotations
 

@@ -4,16 +4,15 @@ The serving path (``vllm_glue.tree_sampler``, ``tree.accept``) asks for the
 distribution or the sample of only the nodes an acceptance walk reaches. The
 functions here compute them for every node of every tree up front: the
 reference the on-demand forms are tested against (they must accept the same
-tokens) and the "before" side of the cost benchmark
-(``benchmarks/tree_step_costs.py``). Nothing in
-the serving path imports this module.
+tokens) and the "before" side of the cost benchmark (``tree_step_costs.py``).
+Nothing in the serving path imports this module.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_treespec.tree.accept import NodeProbs, _at_nodes, samples_on_path
+from vllm_treespec.tree.accept import NodeProbs, probs_at_nodes, samples_on_path
 from vllm_treespec.tree.tensorize import TreeBatch
 
 
@@ -37,7 +36,7 @@ def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
     distribution (a [B, T, V] table, or (rows, nodes) -> [n, V] as for
     ``stochastic_accept``). noise: [B, >= deepest depth + 1, V] Exp(1) draws, as
     for ``position_samples``."""
-    probs_at = _at_nodes(target_probs)
+    probs_at = probs_at_nodes(target_probs)
 
     def draw(rows, nodes, d):
         return torch.argmax(probs_at(rows, nodes).float() / noise[rows, d], dim=-1)

@@ -37,7 +37,7 @@ onto its AI cores.
 
 Verified where: on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)
 against the reference (``tests/unit/test_kernel_tree_attention.py``), and on an
-H200 by the same tests and ``benchmarks/tree_attention_kernel.py`` (README,
+H200 by the same tests and ``bench/tree_attention_kernel.py`` (README,
 "Our kernel"). Not yet run on an Ascend NPU.
 """
 

@@ -128,10 +128,10 @@ class AdaptiveBudget(BudgetEstimates):
         as stock EAGLE's chain is."""
         if d == 0:
             return None if self.step_cost(batch) is None else 1.0
-        ratios = self._ratios(batch)
+        ratios = self.predicted_ratios(batch)
         return None if ratios is None else float(ratios[d - 1, int(chain)])
 
-    def _ratios(self, batch: int) -> np.ndarray | None:
+    def predicted_ratios(self, batch: int) -> np.ndarray | None:
         """[depth, 2] predicted ratios of every depth as a tree (column 0) and
         as a chain (column 1); one pass, since ``plan_depth`` runs every step."""
         D = self.max_depth
@@ -183,7 +183,7 @@ class AdaptiveBudget(BudgetEstimates):
         branching tree costs"). Ties go to the tree, which sees more.
         """
         self._steps += 1
-        ratios = self._ratios(batch)
+        ratios = self.predicted_ratios(batch)
         if ratios is None:  # no cost model yet: speculate fully
             self.last_depth, self.chain_mode = self.max_depth, False
             return self.max_depth

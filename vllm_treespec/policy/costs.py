@@ -75,7 +75,7 @@ class StepCostTable:
 
     The shift is additive, not a factor: the table's slope is the price of a
     verified token, and a factor would inflate it by the share of that per-step
-    work. In a batch-1 CPU engine (``benchmarks/budget_trace.py``,
+    work. In a batch-1 CPU engine (``bench/budget_trace.py``,
     its report's ``step_costs``) chain steps took
     the sweep's time plus a few milliseconds of their own work; read as a factor,
     that overprices every verified token, and more so at concurrency, where steps

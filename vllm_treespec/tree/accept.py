@@ -156,7 +156,8 @@ def _greedy_accept_trees(tree: TreeBatch, target_argmax: torch.Tensor) -> Accept
 NodeProbs = torch.Tensor | Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _at_nodes(target_probs: NodeProbs) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def probs_at_nodes(
+        target_probs: NodeProbs) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``NodeProbs`` as the (rows, nodes) -> [n, V] function the walks call."""
     if callable(target_probs):
         return target_probs
@@ -215,7 +216,7 @@ def stochastic_accept(tree: TreeBatch, target_probs: NodeProbs,
     B, D, C = tree.batch_size, tree.max_depth, tree.max_children
     dev = tree.device
     rows = torch.arange(B, device=dev)
-    probs_at = _at_nodes(target_probs)
+    probs_at = probs_at_nodes(target_probs)
     cur = torch.zeros(B, dtype=torch.long, device=dev)
     p_cur = probs_at(rows, cur).float()  # [B, V] at each walk's current node
     if uniforms is None:

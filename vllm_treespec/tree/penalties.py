@@ -5,7 +5,7 @@ vLLM's op builds [rows, vocab] count and mask tensors for every row it is given
 and makes several passes over [rows, vocab]: one row per request on a plain step,
 but a row per node on a tree step, which for 100 trees of 13 nodes took over
 ten times as long as penalising only the tokens they change
-(``benchmarks/tree_step_costs.py --part penalties``;
+(``bench/tree_step_costs.py --part penalties``;
 benchmarks/history/RESULTS-history.md, "Penalties on tree nodes at the tokens
 they change (2026-12-01, AVX-512 machine): a step's acceptance 1.9 s -> 0.4 s
 in a mixed batch of 100 trees"). A penalty changes only the logits of tokens in

@@ -1,7 +1,7 @@
 """Is stock ``eagle3`` lossless at temperature 1 on the installed vLLM? Side by side
 with ``eagle3_tree`` and plain decoding.
 
-    python benchmarks/stock_t1_lossless.py --draws 1000 --out DIR
+    python -m vllm_treespec.bench.stock_t1_lossless --draws 1000 --out DIR
 
 Each engine (plain, stock ``eagle3`` k=3 with the shipped drafter, a fixed
 ``eagle3_tree`` of 16 nodes) draws ``--draws`` 4-token chat continuations of three
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
         if path.exists():  # finished in an earlier sitting: a run resumes
             runs[method] = json.loads(path.read_text())
             continue
-        subprocess.run([sys.executable, __file__, "--draws", str(args.draws), "--out", str(out),
+        subprocess.run([sys.executable, "-m", "vllm_treespec.bench.stock_t1_lossless",
+                        "--draws", str(args.draws), "--out", str(out),
                         "--child", method, str(path)], check=True, env=env)
         runs[method] = json.loads(path.read_text())
     result = {"vllm": vllm.__version__, "draws": args.draws, "temperature": 1.0,

@@ -10,7 +10,7 @@ length from teacher-forced top-1 agreement; a target token outside the draft
 vocabulary counts as a miss) and the CPU time it took, so the table reads as
 proxy per CPU-minute.
 
-    python benchmarks/drafter_allocation.py --prompts 600 --steps 150 --out DIR
+    python -m vllm_treespec.bench.drafter_allocation --prompts 600 --steps 150 --out DIR
 
 Each variant warms its learning rate up over a tenth of its steps (the
 trainer's default, 200 steps, is sized for full runs: a 60-step variant would

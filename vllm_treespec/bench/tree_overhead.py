@@ -9,7 +9,7 @@ request every step, drafting or not: B requests with histories of each
 ``--copy-history`` length, of random tokens (nothing to copy: the cost of finding
 nothing) and of a repeating text (every step finds its branches).
 
-    python benchmarks/tree_overhead.py [--out benchmarks/out/tree_overhead.json]
+    python -m vllm_treespec.bench.tree_overhead [--out benchmarks/out/tree_overhead.json]
 
 Target (not a test): <= 2 ms per step at B=1, M=32, growing sub-linearly in B.
 """

@@ -7,7 +7,7 @@ differently per shape, so near-ties in the argmax can flip. This measures how
 often that happens, next to what vLLM itself does: plain bf16 decoding at batch 16
 against plain bf16 at batch 1 (the same prompts, only the batching differs).
 
-    python benchmarks/bf16_divergence.py --prompts 40 --max-tokens 128 --out DIR
+    python -m vllm_treespec.bench.bf16_divergence --prompts 40 --max-tokens 128 --out DIR
 
 Writes DIR/bf16_divergence.json: per run, the share of prompts whose text differs
 from plain bf16 at batch 1, and where the first differing token is.

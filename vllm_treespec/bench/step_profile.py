@@ -1,6 +1,6 @@
 """Where a decode step's time goes, per method: cProfile over one in-process engine.
 
-    python benchmarks/step_profile.py --methods "eagle3:k=3,eagle3_tree" --out DIR
+    python -m vllm_treespec.bench.step_profile --methods "eagle3:k=3,eagle3_tree" --out DIR
 
 Each method runs alone in a fresh process (engine core and worker in the same
 process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profile sees the worker):
@@ -76,10 +76,10 @@ def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
     from vllm_treespec.commands.cpu_openmp import preload_intel_openmp
 
     preload_intel_openmp()  # as `vllm-treespec serve` does
-    from interleaved_ab import batch1_engine, chat_prompts  # the same engine as the A/B
     from vllm import SamplingParams
 
     from vllm_treespec.bench import pangu240
+    from vllm_treespec.bench.interleaved_ab import batch1_engine, chat_prompts  # as the A/B
 
     llm = batch1_engine(method, max_num_seqs=batch)
     turns = pangu240.first_turns(batch * (prompts + 1))  # all of them, if fewer
@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         (["--top-p", str(args.top_p)] if args.top_p is not None else []) + \
         (["--unseeded"] if args.unseeded else [])
     for method in split_methods(args.methods):
-        proc = subprocess.run([sys.executable, __file__, "--one", method, "--out", str(out),
+        proc = subprocess.run([sys.executable, "-m", "vllm_treespec.bench.step_profile",
+                               "--one", method, "--out", str(out),
                                "--prompts", str(args.prompts), "--batch", str(args.batch),
                                "--max-tokens", str(args.max_tokens), *sampling],
                               capture_output=True, text=True)

@@ -16,7 +16,7 @@ not a leak. (A tree worker trims by itself when its engine goes idle, see
 start of the next pass, so the figures before the trim are without it and those
 after it are what a served tree worker keeps.)
 
-    python benchmarks/memory_retention.py --method fixed --requests 150 --passes 2
+    python -m vllm_treespec.bench.memory_retention --method fixed --requests 150 --passes 2
 
 Linux with glibc only (``malloc_trim``).
 """
@@ -30,9 +30,6 @@ import json
 import os
 import random
 import time
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 FIXED_TREE = {"validate_invariants": True, "adaptive": False, "num_nodes": 8, "depth": 3,
               "top_k": 2}  # the soak's fixed tree
@@ -66,6 +63,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the figures here as JSON")
     args = p.parse_args()
 
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 

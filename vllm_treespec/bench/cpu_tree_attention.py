@@ -19,7 +19,7 @@ Every call writes to the same few blocks here, which stay in the CPU's caches;
 in a served step each layer's spare blocks are cold, so there ``chains`` costs
 more (measured in a step: 0.08-0.09 ms against 0.11-0.12 for ``tree``).
 
-    python benchmarks/cpu_tree_attention.py [--threads 2] [--out FILE.json]
+    python -m vllm_treespec.bench.cpu_tree_attention [--threads 2] [--out FILE.json]
 
 Prints a markdown table; ``tree / native`` is the ratio to get near 1. A
 branching verify step runs ``tree`` in every layer instead of ``native`` (the

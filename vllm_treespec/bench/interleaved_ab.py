@@ -1,15 +1,15 @@
 """Batch-1 decode cost of several methods, measured interleaved in one process.
 
-Why: on the shared 2-core machines, back-to-back server runs (``vllm-treespec
-bench``) drift by 10 % and more between methods (one run's plain decoding went
-from 18.3 to 21.0 tok/s between sessions), which swamps the few-percent
-differences of an adaptive budget that mostly stays off. Here every method's
-engine lives in the same process and each prompt is sent to all of them in turn,
-so slow drift hits every method alike. Per step it also splits the worker's time
+Why: on a shared machine, back-to-back server runs (``vllm-treespec bench``)
+drift between methods by more than the few-percent differences of an adaptive
+budget that mostly stays off (docs/benchmarks.md). Here every method's engine
+lives in the same process and each prompt is sent to all of them in turn, so slow
+drift hits every method alike. Per step it also splits the worker's time
 into the forward (``execute_model``) and sampling + drafting (``sample_tokens``),
 for one-token (plain or "off") steps and for verify steps separately.
 
-    python benchmarks/interleaved_ab.py --methods none,eagle3_tree --prompts 6 --max-tokens 256
+    python -m vllm_treespec.bench.interleaved_ab --methods none,eagle3_tree --prompts 6 \
+        --max-tokens 256
 
 ``--chat`` formats each prompt with the model's chat template, as a served chat
 request is; the format matters (RESULTS.md: the tree's lead in acceptance over a

@@ -21,8 +21,8 @@ sweep times a factor decides how the table (``policy.StepCostTable``) follows li
 steps. Also the table after the run, the learned branching extra and the
 process's page faults and context switches per step.
 
-    python benchmarks/budget_trace.py --prompts 3 --max-tokens 256 --out trace.json
-    python benchmarks/budget_trace.py --pangu240 --prompts 8 --out trace.json
+    python -m vllm_treespec.bench.budget_trace --prompts 3 --max-tokens 256 --out trace.json
+    python -m vllm_treespec.bench.budget_trace --pangu240 --prompts 8 --out trace.json
 """
 
 from __future__ import annotations
@@ -33,9 +33,7 @@ import json
 import os
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 PROMPTS = ["Write a Python function that merges two sorted lists and explain it.",
            "Explain how a hash map works, with an example in Python.",
@@ -67,7 +65,7 @@ def install(log: list, state: dict):
         def plan(batch):
             # One pass over every depth (as plan_depth prices them): the hook's own
             # time falls inside the plan-to-plan cycle it measures.
-            ratios = policy._ratios(batch)
+            ratios = policy.predicted_ratios(batch)
             preds = None if ratios is None else {
                 f"{d}{'c' if c else 't'}": float(ratios[d - 1, int(c)])
                 for d in range(1, policy.max_depth + 1) for c in (False, True)}
@@ -209,11 +207,10 @@ def main(argv=None) -> int:
     if "libiomp5" not in os.environ.get("LD_PRELOAD", "") and libiomp5() is not None:
         print(f"[budget_trace] note: start with LD_PRELOAD={libiomp5()} to time what "
               f"`vllm-treespec serve` runs (the loader reads it at process start)")
-    sys.path.insert(0, str(Path(__file__).parent))
-    from interleaved_ab import batch1_engine, chat_prompts  # the same engine as the A/B
     from vllm import SamplingParams
 
     from vllm_treespec.bench import pangu240
+    from vllm_treespec.bench.interleaved_ab import batch1_engine, chat_prompts  # as the A/B
 
     llm = batch1_engine(args.method)
     log: list = []

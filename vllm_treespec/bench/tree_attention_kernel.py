@@ -14,7 +14,7 @@ with block size 16), median of CUDA-event timings:
 Pre-gathering flatters both SDPA baselines (the kernel reads the paged cache).
 Also the bitmask metadata for B=64, M=64 on the CPU (target: <= 1 ms).
 
-    python benchmarks/tree_attention_kernel.py --out results/tree_attention_kernel.json
+    python -m vllm_treespec.bench.tree_attention_kernel --out tree_attention_kernel.json
 
 Without a CUDA device it runs one tiny shape under Triton's CPU interpreter (a
 correctness smoke check: interpreter timings mean nothing) and says so.
@@ -33,10 +33,16 @@ import time
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel module is imported
 
-from vllm_treespec.kernels.tree_attention import tree_attention, tree_row_metadata  # noqa: E402
+
+def _kernel():
+    """``tree_attention`` and ``tree_row_metadata``; without CUDA under Triton's CPU
+    interpreter, which must be chosen before the kernel module is first imported."""
+    if not HAS_CUDA:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from vllm_treespec.kernels.tree_attention import tree_attention, tree_row_metadata
+
+    return tree_attention, tree_row_metadata
 
 
 def random_tree_mask(rng: random.Random, B: int, T: int) -> torch.Tensor:
@@ -92,6 +98,7 @@ def cuda_ms(fn, repeats: int = 50) -> float:
 
 
 def bench_shape(B: int, T: int, P: int, H=32, KVH=8, D=128, dtype=torch.bfloat16) -> dict:
+    tree_attention, tree_row_metadata = _kernel()
     dev = "cuda"
     scale = D ** -0.5
     q, kc, vc, bt, qsl, seq, mask = make_case(B, T, P, H, KVH, D, dtype, dev)
@@ -120,6 +127,7 @@ def bench_shape(B: int, T: int, P: int, H=32, KVH=8, D=128, dtype=torch.bfloat16
 def metadata_ms(B: int = 64, M: int = 64, repeats: int = 100) -> float:
     """CPU time to build the per-row bitmask metadata of a B x (1 + M) step, warm
     (as every step after the first: the first calls pay for fresh allocations)."""
+    _, tree_row_metadata = _kernel()
     T = M + 1
     mask = random_tree_mask(random.Random(0), B, T)
     qsl = torch.arange(0, B * T + 1, T, dtype=torch.int32)
@@ -138,6 +146,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    tree_attention, tree_row_metadata = _kernel()
     result = {"metadata_ms_B64_M64_cpu": round(metadata_ms(), 3)}
     if HAS_CUDA:
         result["device"] = torch.cuda.get_device_name()

@@ -14,11 +14,12 @@ output tokens of the rounds over their wall time, and the per-turn ratios below
 are per round. Every server meets every prompt once, so none of them reuses a
 cached prefix of another's.
 
-    python benchmarks/served_ab.py --methods none,eagle3:k=2,eagle3_tree --turns 16 --out DIR
-    python benchmarks/served_ab.py --methods none,eagle3_tree --turns 48 --max-tokens 128 \
+    python -m vllm_treespec.bench.served_ab --methods none,eagle3:k=2,eagle3_tree --turns 16 \
+        --out DIR
+    python -m vllm_treespec.bench.served_ab --methods none,eagle3_tree --turns 48 --max-tokens 128 \
         --concurrency 16 --out DIR
-    python benchmarks/served_ab.py --tp 2 --methods none,eagle3:k=2,eagle3_tree --out DIR
-    python benchmarks/served_ab.py --suite code_edit --methods none,ngram:k=4,eagle3_tree,\
+    python -m vllm_treespec.bench.served_ab --tp 2 --methods none,eagle3:k=2,eagle3_tree --out DIR
+    python -m vllm_treespec.bench.served_ab --suite code_edit --methods none,ngram:k=4,eagle3_tree,\
         eagle3_tree:copy_branches=2 --out DIR
 
 Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``,
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             s.close()
 
     first = methods[0][0]
-    summary = {"command": "python benchmarks/served_ab.py " + " ".join(
+    summary = {"command": "python -m vllm_treespec.bench.served_ab " + " ".join(
                    shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
                "suite": args.suite, "turns": len(turns), "max_tokens": args.max_tokens,
                "temperature": args.temperature, "top_p": args.top_p,

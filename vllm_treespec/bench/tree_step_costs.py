@@ -26,7 +26,7 @@ give the same result:
   ``--output-len``; a third of the requests penalised, then all of them. The same
   logits, bit for bit.
 
-    python benchmarks/tree_step_costs.py [--part PART,...] [--batch 1,16,100] [--out FILE]
+    python -m vllm_treespec.bench.tree_step_costs [--part PART,...] [--batch 1,16,100] [--out FILE]
 
 Trees: 13 nodes, depth 4 (3, 5, 3 and 1 nodes at depths 1 to 4, widest under the best
 branch), a shape the adaptive budget drafts at batch 1. ``--batch`` and ``--repeats``

@@ -13,8 +13,8 @@ spec-decode counters (``vllm:spec_decode_num_drafts``,
 Defaults measure the embedded SmolLM2 target and its drafter
 (``vllm-treespec assets``). Prints a summary and writes JSON (``--out``).
 
-    python benchmarks/drafter_acceptance.py --out acceptance.json
-    python benchmarks/drafter_acceptance.py --target DIR --drafter DIR --num-spec 4
+    python -m vllm_treespec.bench.drafter_acceptance --out acceptance.json
+    python -m vllm_treespec.bench.drafter_acceptance --target DIR --drafter DIR --num-spec 4
 
 A parallel-drafting head (``pard_token`` in its config.json) runs with
 ``"parallel_drafting": true``, all its drafts from one forward.
@@ -90,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     if args.target is None or args.drafter is None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from vllm_treespec.assets import ensure_assets
 
         assets = ensure_assets()

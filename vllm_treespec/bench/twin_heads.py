@@ -22,8 +22,8 @@ Python sources of the standard library. Then, per twin:
    greedily in loops of a token or two, which any head predicts; sampled text
    is varied, and acceptance there is what the head learnt.
 
-    python benchmarks/twin_heads.py --out benchmarks/results/twin-heads-DATE \
-        --work /tmp/twin-heads
+    python -m vllm_treespec.bench.twin_heads \
+        --out benchmarks/results/twin-heads-vllmREL-MACHINE-COMMIT --work /tmp/twin-heads
 
 ``--work`` holds the twins, heads, training runs and per-engine results (rerun the
 command to resume); ``--out`` gets ``twin_heads.json`` and the training logs.
@@ -34,6 +34,7 @@ Each engine runs in its own process (``measure``), one after another.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -43,8 +44,9 @@ import sysconfig
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# The twins and the random head are the test suite's (tests/integration/twins.py and
+# drafters.py), so this benchmark runs from a checkout of the repository.
+ROOT = Path(__file__).resolve().parents[2]
 
 TREE = {"method": "eagle3_tree", "adaptive": False}
 CHAIN = {"method": "eagle3", "num_speculative_tokens": 3}
@@ -138,8 +140,8 @@ def run_measure(work: Path, label: str, target: Path, spec: dict | None, prompts
     if not path.exists():
         args = json.dumps({"target": str(target), "spec": spec, "prompts": prompts,
                            "max_tokens": max_tokens, "temperature": temperature})
-        subprocess.run([sys.executable, __file__, "measure", args, str(path)], check=True,
-                       cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", "vllm_treespec.bench.twin_heads", "measure", args,
+                        str(path)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return json.loads(path.read_text())
 
 
@@ -162,10 +164,23 @@ def train_head(twin: Path, work: Path, args) -> dict[str, Path]:
     return heads
 
 
+def _test_fixtures():
+    """``tests.integration.twins`` and ``tests.integration.drafters`` of the checkout."""
+    if not (ROOT / "tests" / "integration" / "twins.py").is_file():
+        raise SystemExit("twin_heads builds its twins with the test suite (tests/integration/): "
+                         "run it from a checkout of the repository")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    return (importlib.import_module("tests.integration.twins"),
+            importlib.import_module("tests.integration.drafters"))
+
+
 def one_twin(name: str, args, work_root: Path) -> dict:
-    from tests.integration.drafters import random_eagle3_drafter
-    from tests.integration.twins import AUX_LAYERS, build_twin
     from vllm_treespec.assets import ensure_target
+
+    twins, drafters = _test_fixtures()
+    AUX_LAYERS, build_twin = twins.AUX_LAYERS, twins.build_twin
+    random_eagle3_drafter = drafters.random_eagle3_drafter
 
     work = work_root / name
     twin = work / "target"

@@ -41,8 +41,8 @@ have picked nodes the pool dropped. The drafter's greedy chain is not replayed: 
 pool holds a chain of 8 whole in only a fraction of the steps (``chain_in_pool``), so
 a chain's acceptance comes from a live run.
 
-    python benchmarks/trace_replay.py stop --prompts 24 --out DIR
-    python benchmarks/trace_replay.py selection --prompts 40 --out DIR
+    python -m vllm_treespec.bench.trace_replay stop --prompts 24 --out DIR
+    python -m vllm_treespec.bench.trace_replay selection --prompts 40 --out DIR
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ TAUS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 def record(method: str, trace: Path, prompts: int, max_tokens: int) -> float:
     """Run one engine over the first ``prompts`` chat turns, tracing to ``trace``."""
-    from interleaved_ab import batch1_engine, greedy_first_turns_tok_s
+    from vllm_treespec.bench.interleaved_ab import batch1_engine, greedy_first_turns_tok_s
 
     os.environ["VLLM_TREESPEC_TRACE_DIR"] = str(trace)
     llm = batch1_engine(method)
@@ -280,8 +280,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    sys.path.insert(0, str(Path(__file__).parent))
-    result = {"command": "python benchmarks/trace_replay.py " + " ".join(argv or sys.argv[1:]),
+    command = "python -m vllm_treespec.bench.trace_replay " + " ".join(argv or sys.argv[1:])
+    result = {"command": command,
               **{"stop": stop, "selection": selection}[args.replay](args)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.replay}_replay.json").write_text(json.dumps(result, indent=1) + "\n")
