@@ -53,8 +53,9 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
     token_map = drafter._token_map()
     draft_id = {int(t): i for i, t in enumerate(token_map.tolist())}
     original_propose = drafter.propose
-    real_logprobs = drafter._draft_vocab_logprobs
-    real_marginals = drafter._parallel_marginals
+    real_logprobs = drafter.draft_vocab_logprobs
+    levels = drafter.levels  # parallel_drafts.ParallelLevels
+    real_marginals = levels.marginals
 
     def propose(self, *args, **kwargs):
         B = kwargs["common_attn_metadata"].batch_size()
@@ -69,7 +70,7 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             rows.append(marginal_logprobs(samples, context, self.tree_cfg.depth,
                                           draft_id, token_map.shape[0]))
         # Set every step (a step that drafts nothing leaves none behind): the root's
-        # children read depth 1 (the first _draft_vocab_logprobs call), the slots the rest.
+        # children read depth 1 (the first draft_vocab_logprobs call), the slots the rest.
         m = torch.stack(rows) if rows else None
         self._oracle_root, self._oracle_slots = (None, None) if m is None else (m[:, 0], m[:, 1:])
         return original_propose(*args, **kwargs)
@@ -79,13 +80,13 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
         root, self._oracle_root = self._oracle_root, None
         return out if root is None else root.to(out)
 
-    def parallel_marginals(self, batch_size, slots, *args, **kwargs):
-        out = real_marginals(batch_size, slots, *args, **kwargs)  # the forward still runs
-        m = self._oracle_slots
+    def parallel_marginals(step, slots):
+        out = real_marginals(step, slots)  # the forward still runs
+        m = drafter._oracle_slots
         return out if m is None else m[:, :slots].to(out)
 
     drafter._oracle_root = drafter._oracle_slots = None
     drafter.propose = types.MethodType(propose, drafter)
-    drafter._draft_vocab_logprobs = types.MethodType(draft_vocab_logprobs, drafter)
-    drafter._parallel_marginals = types.MethodType(parallel_marginals, drafter)
+    drafter.draft_vocab_logprobs = types.MethodType(draft_vocab_logprobs, drafter)
+    levels.marginals = parallel_marginals
     return True

@@ -30,7 +30,7 @@ from vllm_treespec.tree import (
 def node_paths(tree, b):
     """token path (excluding the root) of every valid node of request b."""
     out = []
-    for i in range(int(tree.num_nodes[b]) + 1):
+    for i in range(int(tree.node_counts[b]) + 1):
         d = int(tree.depth[b, i])
         out.append(tuple(tree.token[b, tree.ancestors[b, i, 1: d + 1]].tolist()))
     return out
@@ -43,7 +43,7 @@ def test_greedy_picks_the_longest_matching_path(tree, seed):
     argmax = torch.randint(0, 4, (tree.batch_size, tree.tree_size), generator=gen)
     acc = greedy_accept(tree, argmax)
     for b in range(tree.batch_size):
-        n = int(tree.num_nodes[b]) + 1
+        n = int(tree.node_counts[b]) + 1
         par, tok = tree.parent[b].tolist(), tree.token[b].tolist()
 
         def ok(i):
@@ -97,7 +97,7 @@ def test_outcome_reads_the_greedy_chain_and_where_the_tree_stopped(tree, seed):
     out = Outcome.of(tree, acc)
     assert out.accepted == acc.num_accepted.tolist()
     for b in range(tree.batch_size):
-        n = int(tree.num_nodes[b]) + 1
+        n = int(tree.node_counts[b]) + 1
         par, tok = tree.parent[b].tolist()[:n], tree.token[b].tolist()
         kids = [[i for i in range(1, n) if par[i] == p] for p in range(n)]
         node, chain_acc = 0, 0
@@ -175,7 +175,7 @@ def test_position_samples_on_the_path_accept_as_every_node_sampled(tree, seed):
     probs = torch.rand(B, T, 4, generator=gen) ** 2
     # Noise for the depths the trees use, under a looser static bound (as served).
     noise = torch.empty(B, int(tree.depth.max()) + 1, 4).exponential_(generator=gen)
-    loose = TreeBatch(tree.token, tree.parent, tree.depth, tree.num_nodes,
+    loose = TreeBatch(tree.token, tree.parent, tree.depth, tree.node_counts,
                       tree.max_depth + 2, tree.max_children)
     asked = []
 
@@ -274,7 +274,7 @@ def complete(prefix, table, rng):
 
 def vectorised_rule(tree, probs, n, gen):
     big = TreeBatch(token=tree.token.expand(n, -1), parent=tree.parent.expand(n, -1),
-                    depth=tree.depth.expand(n, -1), num_nodes=tree.num_nodes.expand(n),
+                    depth=tree.depth.expand(n, -1), node_counts=tree.node_counts.expand(n),
                     max_depth=tree.max_depth, max_children=tree.max_children)
     acc = stochastic_accept(big, probs.expand(n, -1, -1), generator=gen)
     return [row[row >= 0].tolist() for row in acc.tokens]
@@ -285,7 +285,7 @@ def loop_rule(renormalise=True, remove_rejected=True):
     def rule(tree, probs, n, gen):
         rng = random.Random(int(torch.randint(0, 2**31, (), generator=gen)))
         kids = {}
-        for i in range(1, int(tree.num_nodes[0]) + 1):
+        for i in range(1, int(tree.node_counts[0]) + 1):
             kids.setdefault(int(tree.parent[0, i]), []).append(i)
         out = []
         for _ in range(n):
@@ -340,7 +340,7 @@ def positional_rule(shared_noise=False):
     vector at every depth (a wrong rule: consecutive tokens become dependent)."""
     def rule(tree, probs, n, gen):
         big = TreeBatch(token=tree.token.expand(n, -1), parent=tree.parent.expand(n, -1),
-                        depth=tree.depth.expand(n, -1), num_nodes=tree.num_nodes.expand(n),
+                        depth=tree.depth.expand(n, -1), node_counts=tree.node_counts.expand(n),
                         max_depth=tree.max_depth, max_children=tree.max_children)
         depths = 1 if shared_noise else tree.max_depth + 1
         noise = torch.empty(n, depths, V).exponential_(generator=gen)

@@ -32,10 +32,7 @@ CITING = [ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md",
 
 # Private names of vllm_glue/ a benchmark still uses, as "module: name": made public there,
 # they leave this list (the test below fails while an entry is no longer used).
-WAITING = {
-    "tree_step_costs.py: _node_rows",                # vllm_glue/tree_sampler.py
-    "invalid_trees.py: TreeEagleProposer._checked",  # vllm_glue/proposer.py
-}
+WAITING: set[str] = set()
 
 # <what>-vllm<release>-<machine>-<commit>: docs/benchmarks.md, "Results directories".
 SCHEME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*-vllm\d{3,4}-[a-z][a-z0-9]*-[0-9a-f]{7}")

@@ -65,7 +65,7 @@ def naive_dynamic(draws, b, K, D, M):
 
 def tree_paths(tree, b):
     out = set()
-    n = int(tree.num_nodes[b])
+    n = int(tree.node_counts[b])
     for i in range(1, n + 1):
         path = tree.ancestors[b, i, 1: int(tree.depth[b, i]) + 1]
         out.add(tuple(tree.token[b, path].tolist()))
@@ -82,7 +82,7 @@ def test_dynamic_tree_matches_eagle_expand_and_rerank(K, D, data):
     tree, draws = run_dynamic(B, K, D, M, V, gen)
     tree.validate(vocab_size=V)
     for b in range(B):
-        assert int(tree.num_nodes[b]) == M
+        assert int(tree.node_counts[b]) == M
         assert tree_paths(tree, b) == naive_dynamic(draws, b, K, D, M)
         # Scores: root 0, strictly decreasing along every path.
         s = tree.score[b]
@@ -112,7 +112,7 @@ def test_a_depth_weight_selects_the_best_ancestor_closed_nodes_by_weighted_score
         cands, worth = naive_candidates(draws, b, K, D, w)
         paths = {candidate_path(cands, c): c for c in range(len(cands))}
         kept = tree_paths(tree, b)
-        assert int(tree.num_nodes[b]) == M == len(kept)
+        assert int(tree.node_counts[b]) == M == len(kept)
         least_kept = min(worth[paths[p]] for p in kept)
         best_left = max((worth[c] for p, c in paths.items() if p not in kept), default=-math.inf)
         assert least_kept >= best_left - 1e-4
@@ -211,13 +211,13 @@ def test_chain_only_keeps_the_greedy_chain(K, D, seed):
     assert torch.equal(tree.causal_exact, tree.valid)  # every tree is a chain
     for b in range(B):
         expected = naive_greedy_chain(draws, b, K, D)
-        n = int(tree.num_nodes[b])
+        n = int(tree.node_counts[b])
         assert n == len(expected) == int(chain_mask[b].sum())
         assert tuple(tree.token[b, 1: n + 1].tolist()) == expected[-1]
     # A smaller budget keeps the chain's first nodes.
     short = builder.finish(torch.arange(B), budget=torch.tensor([1, 0, 2]), chain_only=True)
     assert torch.equal(short.causal_exact, short.valid)
-    assert short.num_nodes.tolist() == [1, 0, min(2, int(chain_mask[2].sum()))]
+    assert short.node_counts.tolist() == [1, 0, min(2, int(chain_mask[2].sum()))]
 
 
 @given(seed=st.integers(0, 2**31), tie_kind=st.sampled_from(["one_hot", "uniform", "two"]))
@@ -240,7 +240,7 @@ def test_ties_keep_the_tree_ancestor_closed(seed, tie_kind):
 
     tree, _ = run_dynamic(2, K, D, M, V, gen, logprob_fn=logprob_fn)
     tree.validate(vocab_size=V)
-    assert (tree.num_nodes == M).all()
+    assert (tree.node_counts == M).all()
     assert torch.isfinite(tree.score[:, : M + 1]).all()
 
 
@@ -249,7 +249,7 @@ def test_per_request_budgets_and_bfs_prefix():
     budget = torch.tensor([16, 5, 0, 1])
     tree, _ = run_dynamic(4, 4, 4, 16, 30, gen, budget=budget)
     tree.validate()
-    assert tree.num_nodes.tolist() == [16, 5, 0, 1]
+    assert tree.node_counts.tolist() == [16, 5, 0, 1]
     full, _ = run_dynamic(4, 4, 4, 16, 30, torch.Generator().manual_seed(0))
     # A budget of n keeps the best n candidates: the same set as the top-n of the
     # full tree's scores (not merely its first n nodes).
@@ -317,10 +317,10 @@ def test_static_tree_fills_tokens_by_rank():
         level = builder.next_level(lp)
     tree = builder.finish(torch.tensor([7, 8]))
     tree.validate(vocab_size=V)
-    assert tree.num_nodes.tolist() == [9, 4]
+    assert tree.node_counts.tolist() == [9, 4]
     # Node with path (r_1..r_d) carries the r_d-th best draft token of its parent.
     for b in range(B):
-        for i in range(1, int(tree.num_nodes[b]) + 1):
+        for i in range(1, int(tree.node_counts[b]) + 1):
             p, d, r = topo.parent[i], topo.depth[i], topo.rank[i]
             slot = frontier_nodes[d - 1].index(p)
             lp = scores[d - 1][b] if d == 1 else scores[d - 1][b, slot]
@@ -360,7 +360,7 @@ def assert_pruned_tree_is_full_tree(seed, B, K, D, M, w, sharp):
     _expand(full, root, levels, lambda b, F: F)
     widths = _expand(pruned, root, levels, lambda b, F: min(F, b.selectable_width()))
     a, b = full.finish(torch.arange(B)), pruned.finish(torch.arange(B))
-    for name in ("token", "parent", "depth", "num_nodes"):
+    for name in ("token", "parent", "depth", "node_counts"):
         assert torch.equal(getattr(a, name), getattr(b, name)), (seed, name)
     return widths
 
@@ -391,7 +391,7 @@ def test_one_wide_levels_draft_the_greedy_chain(K, D, seed):
     assert _expand(builder, root, levels, lambda b, F: 1) == [1] * (D - 1)
     tree = builder.finish(torch.arange(B), chain_only=True)
     expect = torch.stack([root.argmax(-1)] + [lp[:, 0].argmax(-1) for lp in levels], 1)
-    assert tree.num_nodes.tolist() == [D] * B
+    assert tree.node_counts.tolist() == [D] * B
     assert torch.equal(tree.token[:, 1:D + 1], expect)
     assert torch.equal(tree.parent[:, 1:D + 1], torch.arange(D).expand(B, D))
 

@@ -24,7 +24,7 @@ class TreeStep:
         self.H = self.KVH * rng.choice([1, 3])
         self.Dh, self.bs = 8, rng.choice(block_sizes)
         self.tree = random_tree_batch(rng, self.B, rng.randint(1, 9), vocab=6, max_children=3)
-        self.q_lens = [int(n) + 1 for n in self.tree.num_nodes]
+        self.q_lens = [int(n) + 1 for n in self.tree.node_counts]
         self.seq_lens = [rng.randint(0, 40) + q for q in self.q_lens]
         per = [-(-s // self.bs) for s in self.seq_lens]
         self.num_blocks = sum(per) + rng.randint(0, 3)
@@ -207,7 +207,7 @@ def test_scratch_prefix_bounds_what_the_split_takes(seed):
 
     step = TreeStep(seed, block_sizes=(2, 4, 16, 128))
     parents = [step.tree.parent[b, 1: int(n) + 1].tolist()
-               for b, n in enumerate(step.tree.num_nodes)]
+               for b, n in enumerate(step.tree.node_counts)]
     roots = [s - q for s, q in zip(step.seq_lens, step.q_lens)]
     counted = [scratch_prefix(p, step.bs, 10**9) for p in parents]
     exact = [scratch_prefix(p, step.bs, 10**9, r) for p, r in zip(parents, roots)]

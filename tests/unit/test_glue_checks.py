@@ -318,10 +318,10 @@ def test_the_soaks_invalid_trees_are_armed_only_by_the_worker_extension(monkeypa
     trees = TreeBatch.from_parents([[5], [5, 6, 7]], [[0], [0, 0, 1]], tree_size=3)
 
     def check():
-        return proposer._checked(trees, torch.tensor([3, 4])).num_nodes.tolist()
+        return proposer.checked_trees(trees, torch.tensor([3, 4])).node_counts.tolist()
 
-    monkeypatch.setattr(proposer_module.TreeEagleProposer, "_checked",
-                        proposer_module.TreeEagleProposer._checked)  # restored after
+    monkeypatch.setattr(proposer_module.TreeEagleProposer, "checked_trees",
+                        proposer_module.TreeEagleProposer.checked_trees)  # restored after
     monkeypatch.delenv(invalid_trees.INVALID_TREE_ENV, raising=False)
     invalid_trees._arm()
     assert check() == [0, 2] and not list(tmp_path.glob("treespec-failure-*"))

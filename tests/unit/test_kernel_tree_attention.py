@@ -180,7 +180,7 @@ def test_kernel_property_random_tree_shapes(tree, ctx, seed):
     gen = torch.Generator().manual_seed(seed)
     B, T = tree.batch_size, tree.tree_size
     bs, KVH, H, Dh = 4, 1, 2, 8
-    q_lens = [int(n) + 1 for n in tree.num_nodes]
+    q_lens = [int(n) + 1 for n in tree.node_counts]
     seq = [ctx + n for n in q_lens]
     nblk = [(x + bs - 1) // bs for x in seq]
     total = sum(nblk)

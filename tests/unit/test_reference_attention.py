@@ -39,7 +39,7 @@ class Scenario:
         self.q_lens = []
         for b in range(self.B):
             if self.is_tree[b]:
-                self.q_lens.append(T if pad_trees else int(self.tree.num_nodes[b]) + 1)
+                self.q_lens.append(T if pad_trees else int(self.tree.node_counts[b]) + 1)
             else:
                 self.q_lens.append(rng.randint(1, 12))
         self.seq_lens = [c + q for c, q in zip(self.ctx, self.q_lens)]
@@ -79,7 +79,7 @@ class Scenario:
             c, start = self.ctx[b], int(self.qsl[b])
             for j in range(self.q_lens[b]):
                 if self.is_tree[b]:
-                    if j > int(self.tree.num_nodes[b]):
+                    if j > int(self.tree.node_counts[b]):
                         continue  # padding node
                     d = int(self.tree.depth[b, j])
                     path = self.tree.ancestors[b, j, : d + 1].tolist()

@@ -81,10 +81,10 @@ def test_causal_exact_of_a_chain_and_a_branch():
 
 @given(tree_batches(max_nodes=10))
 def test_truncation_keeps_a_valid_prefix(tree):
-    cut = torch.div(tree.num_nodes, 2, rounding_mode="floor")
+    cut = torch.div(tree.node_counts, 2, rounding_mode="floor")
     small = tree.truncated(cut)
     small.validate()
-    assert torch.equal(small.num_nodes, cut)
+    assert torch.equal(small.node_counts, cut)
     for b in range(tree.batch_size):
         n = int(cut[b]) + 1
         assert torch.equal(small.token[b, :n], tree.token[b, :n])
@@ -126,8 +126,8 @@ def _edit(t, idx, value):
      lambda t: _with(t, parent=_edit(t.parent, (0, 0), 1)), "root must have"),
     ("padding attached elsewhere",
      lambda t: _with(t, parent=_edit(t.parent, (0, 5), 2)), "padding must have"),
-    ("num_nodes beyond the slot",
-     lambda t: _with(t, num_nodes=torch.tensor([6])), "num_nodes 6 outside"),
+    ("node_counts beyond the slot",
+     lambda t: _with(t, node_counts=torch.tensor([6])), "node_counts 6 outside"),
     ("negative token",
      lambda t: _with(t, token=_edit(t.token, (0, 1), -3)), "token -3 outside"),
     ("too many children",

@@ -157,7 +157,7 @@ def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(mon
     op = plain_step_sampler(None)
     tree = step.tree.take(torch.tensor([0]))
     every = torch.full_like(tree.token, -1)
-    for node in range(int(tree.num_nodes[0]) + 1):
+    for node in range(int(tree.node_counts[0]) + 1):
         x, k, p = _scaled(processed[0, node].unsqueeze(0), md, step.req_index[:1])
         every[0, node] = _seeded_draw(op, x[0], None if k is None else k[0],
                                       None if p is None else p[0], seed,
@@ -182,7 +182,7 @@ def test_seeded_trees_batched_draw_what_each_node_drawn_alone_draws():
         for b, seed in seeds.items():
             tree = step.tree.take(torch.tensor([b]))
             every = torch.full_like(tree.token, -1)
-            for node in range(int(tree.num_nodes[0]) + 1):
+            for node in range(int(tree.node_counts[0]) + 1):
                 x, k, p = _scaled(processed[b, node].unsqueeze(0), md, step.req_index[b:b + 1])
                 every[0, node] = _seeded_draw(op, x[0], None if k is None else k[0],
                                               None if p is None else p[0], seed,
@@ -208,14 +208,14 @@ def _vllm_processed(logits, step, md, trees, nodes):
     output so far (the request's output plus the node's path)."""
     from vllm.v1.sample.ops.penalties import apply_all_penalties
 
-    from vllm_treespec.vllm_glue.tree_sampler import _node_rows
+    from vllm_treespec.vllm_glue.tree_sampler import node_rows
 
     tree, reqs = step.tree, step.req_index[trees]
     outputs = []
     for i, node in zip(trees.tolist(), nodes.tolist()):
         path = tree.ancestors[i, node, 1: int(tree.depth[i, node]) + 1]
         outputs.append(md.output_token_ids[int(step.req_index[i])] + tree.token[i, path].tolist())
-    x = logits[_node_rows(step)[trees, nodes]].float()
+    x = logits[node_rows(step)[trees, nodes]].float()
     if md.allowed_token_ids_mask is not None:
         x = x.masked_fill(md.allowed_token_ids_mask[reqs], float("-inf"))
     return apply_all_penalties(x, md.prompt_token_ids[reqs], md.presence_penalties[reqs],
@@ -237,7 +237,7 @@ def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penali
     """Penalties go to the node rows of requests that set one, as vLLM's op gives
     them over all rows: a neutral request's rows (1, 0, 0) come back unchanged."""
     from vllm_treespec.bench.tree_reference import processed_node_logits
-    from vllm_treespec.vllm_glue.tree_sampler import _node_rows
+    from vllm_treespec.vllm_glue.tree_sampler import node_rows
 
     step, _, logits = _step_and_logits(torch.float32)
     logits[:, [3, 7, 12]] = torch.tensor([2.0, -1.5, 0.5])  # both signs on penalised tokens
@@ -248,7 +248,7 @@ def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penali
     expected = _vllm_processed(logits, step, md, torch.arange(Bt).repeat_interleave(T),
                                torch.arange(T).repeat(Bt)).view(got.shape)
     assert torch.equal(got, expected)
-    raw = logits[_node_rows(step)].float()
+    raw = logits[node_rows(step)].float()
     for i, p in enumerate(penalised):  # the check bites: penalised rows changed
         assert torch.equal(got[i], raw[i]) != p
 
@@ -316,7 +316,7 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
 def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
     """Trees on batch rows 2 and 0 (row 1 decodes without a tree): each node's
     logits are its own request's, masked and penalised as vLLM's op does them."""
-    from vllm_treespec.vllm_glue.tree_sampler import _node_rows
+    from vllm_treespec.vllm_glue.tree_sampler import node_rows
 
     tree = TreeBatch.from_parents([[9, 1, 2, 3, 4], [9, 5, 6]],
                                   [[0, 0, 0, 0, 1], [0, 0, 1]], tree_size=5, max_children=3)
@@ -336,7 +336,7 @@ def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
     trees, nodes = torch.tensor([1, 0, 0, 1, 0]), torch.tensor([2, 4, 0, 1, 3])
     got = NodeLogits(logits, step, md)[trees, nodes]
     assert torch.equal(got, _vllm_processed(logits, step, md, trees, nodes))
-    assert not torch.equal(got[0], logits[_node_rows(step)[1, 2]])  # request 0: penalised
+    assert not torch.equal(got[0], logits[node_rows(step)[1, 2]])  # request 0: penalised
     assert bool(torch.isinf(got[[1, 2, 4]]).any())  # request 2: masked
 
 
@@ -348,7 +348,7 @@ def test_logprobs_come_from_the_node_rows_that_emitted_the_tokens(mode):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_treespec.vllm_glue.tree_sampler import _logprobs, _node_rows
+    from vllm_treespec.vllm_glue.tree_sampler import _logprobs, node_rows
 
     step, _, logits = _step_and_logits(torch.float32)
     md = SimpleNamespace(**vars(_penalty_md([1.5, 1.3], [0.7, 0.4], [0.2, 0.3])),
@@ -361,7 +361,7 @@ def test_logprobs_come_from_the_node_rows_that_emitted_the_tokens(mode):
                                              torch.zeros(2, K1), torch.zeros(2, dtype=torch.long)))
     sampler = Sampler(logprobs_mode=mode)
     got = _logprobs(sampler, logits, NodeLogits(logits, step, md), step, md, acc, base, width)
-    rows = torch.gather(_node_rows(step), 1, acc.path).reshape(-1)
+    rows = torch.gather(node_rows(step), 1, acc.path).reshape(-1)
     if mode.startswith("processed"):  # tree 0 sampled: vLLM's temperature, top-k, top-p
         src = table[torch.arange(2).repeat_interleave(width), acc.path.reshape(-1)]
         src[:width] = apply_top_k_top_p(src[:width] / 0.8, torch.full((width,), 4),

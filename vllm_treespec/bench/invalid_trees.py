@@ -26,7 +26,7 @@ class InvalidTreeInjector:
 
     def __call__(self, trees):
         self.calls += 1
-        drafting = (trees.num_nodes > 0).nonzero()
+        drafting = (trees.node_counts > 0).nonzero()
         if self.calls % self.every or drafting.numel() == 0:
             return trees
         token = trees.token.clone()
@@ -44,13 +44,13 @@ def _arm() -> None:
         return
     from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 
-    checked = TreeEagleProposer._checked
+    checked = TreeEagleProposer.checked_trees
     inject = InvalidTreeInjector(int(every))
 
     def checked_with_fault(self, trees, prefix_len):
         return checked(self, inject(trees), prefix_len)
 
-    TreeEagleProposer._checked = checked_with_fault
+    TreeEagleProposer.checked_trees = checked_with_fault
 
 
 _arm()

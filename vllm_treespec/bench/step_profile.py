@@ -37,7 +37,7 @@ PARTS = {
     ("gpu_model_runner.py", "sample_tokens"): "sample_tokens",
     ("gpu_model_runner.py", "propose_draft_token_ids"): "propose",
     ("llama_eagle3.py", "forward"): "drafter_forward",
-    ("proposer.py", "_draft_vocab_logprobs"): "draft_logprobs",
+    ("proposer.py", "draft_vocab_logprobs"): "draft_logprobs",
     ("tree_sampler.py", "sample_with_trees"): "tree_sampling",
     # NodeLogits[trees, nodes]: the node rows a step processes (mask, penalties)
     ("tree_sampler.py", "__getitem__"): "tree_node_logits",

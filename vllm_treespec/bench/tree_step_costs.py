@@ -51,7 +51,7 @@ from vllm_treespec.bench.tree_reference import (node_table, position_samples,
                                                 processed_node_logits)
 from vllm_treespec.tree import TreeBatch, greedy_accept, stochastic_accept
 from vllm_treespec.vllm_glue import tree_sampler
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, _node_rows, node_probs
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_rows, node_probs
 
 VOCAB = 49152  # SmolLM2
 PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 6, 9]  # node i's parent (root: itself)
@@ -205,7 +205,7 @@ def every_row(logits, step, md) -> torch.Tensor:
             path = step.tree.ancestors[i, node, 1: int(step.tree.depth[i, node]) + 1]
             outputs.append(md.output_token_ids[b] + step.tree.token[i, path].tolist())
     r = step.req_index.repeat_interleave(T)
-    x = logits[_node_rows(step).reshape(-1)].float()
+    x = logits[node_rows(step).reshape(-1)].float()
     return apply_all_penalties(x, md.prompt_token_ids[r], md.presence_penalties[r],
                                md.frequency_penalties[r], md.repetition_penalties[r],
                                outputs).view(step.tree.batch_size, T, -1)

@@ -94,7 +94,7 @@ class Outcome:
     @classmethod
     def of(cls, tree: TreeBatch, acc: Acceptance) -> "Outcome":
         if tree.is_chain:  # the chain is the tree; it ended where the tree did
-            accepted, nodes = acc.num_accepted.tolist(), tree.num_nodes.tolist()
+            accepted, nodes = acc.num_accepted.tolist(), tree.node_counts.tolist()
             return cls(accepted, accepted, [a == n for a, n in zip(accepted, nodes)])
         a = acc.num_accepted
         chain = tree.greedy_chain

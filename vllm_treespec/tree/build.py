@@ -329,5 +329,5 @@ class DynamicTreeBuilder:
         depth[:, 1:1 + M] = node_depth
         score[:, 0] = 0.0
         score[:, 1:1 + M] = node_score
-        return TreeBatch(token=token, parent=parent, depth=depth, num_nodes=budget,
+        return TreeBatch(token=token, parent=parent, depth=depth, node_counts=budget,
                          max_depth=self.depth, max_children=self.k, score=score)

@@ -128,7 +128,7 @@ class StaticTreeBuilder:
         token = self.token.clone()
         token[:, 0] = root_tokens
         tree = TreeBatch(token=token, parent=parent.contiguous(), depth=depth.contiguous(),
-                         num_nodes=torch.full((self.B,), self.topo.num_nodes,
+                         node_counts=torch.full((self.B,), self.topo.num_nodes,
                                               dtype=torch.long, device=self.device),
                          max_depth=self.topo.max_depth,
                          max_children=self.topo.max_children, score=self.score.clone())

@@ -7,11 +7,11 @@ nodes (M = node budget):
   is written in this verify step, at position ``prefix_len``). Its parent is
   itself (0), its depth 0. There is no "-1 = no parent" anywhere, so no negative
   index can ever reach a gather on any device.
-* nodes ``1..num_nodes[b]`` are draft tokens in BFS order: every parent precedes
+* nodes ``1..node_counts[b]`` are draft tokens in BFS order: every parent precedes
   its children and depths never decrease. Hence *any prefix is a valid tree* —
   cutting a request's budget (the scheduler may truncate drafts) is just a
-  smaller ``num_nodes``.
-* nodes ``num_nodes[b]+1 .. T-1`` are padding: parent 0 (the root), depth 1,
+  smaller ``node_counts``.
+* nodes ``node_counts[b]+1 .. T-1`` are padding: parent 0 (the root), depth 1,
   token 0, ``valid`` False. Padding keeps shapes static (graph capture) and is
   harmless: it only ever sees the root, and no valid node sees it.
 
@@ -44,7 +44,8 @@ class TreeBatch:
     token:     [B, T] int64 token ids (root = last emitted token; padding 0)
     parent:    [B, T] int64 parent node index (root and padding: 0)
     depth:     [B, T] int64 (root 0; padding 1)
-    num_nodes: [B]    int64 draft nodes per request (excluding the root)
+    node_counts: [B]  int64 draft nodes per request (excluding the root; the
+                      config's ``num_nodes`` is their budget)
     max_depth: static upper bound D on any depth (width of the ancestor table)
     max_children: static upper bound C on children per node (width of child tables)
     score:     optional [B, T] float32 cumulative draft log-probability (root 0)
@@ -53,7 +54,7 @@ class TreeBatch:
     token: torch.Tensor
     parent: torch.Tensor
     depth: torch.Tensor
-    num_nodes: torch.Tensor
+    node_counts: torch.Tensor
     max_depth: int
     max_children: int
     score: torch.Tensor | None = None
@@ -76,7 +77,7 @@ class TreeBatch:
         """The trees of batch rows ``rows``, same padding and static bounds (a
         sampled step walks only its sampled trees)."""
         return TreeBatch(self.token[rows], self.parent[rows], self.depth[rows],
-                         self.num_nodes[rows], self.max_depth, self.max_children,
+                         self.node_counts[rows], self.max_depth, self.max_children,
                          None if self.score is None else self.score[rows])
 
     @functools.cached_property
@@ -86,8 +87,8 @@ class TreeBatch:
 
     @functools.cached_property
     def valid(self) -> torch.Tensor:
-        """[B, T] bool: root and the first ``num_nodes`` draft nodes."""
-        return self.node_index <= self.num_nodes.unsqueeze(1)
+        """[B, T] bool: root and the first ``node_counts`` draft nodes."""
+        return self.node_index <= self.node_counts.unsqueeze(1)
 
     # ---- derived tables (cached; computed with gathers only) -------------
     @functools.cached_property
@@ -187,20 +188,20 @@ class TreeBatch:
             if t.shape != (B, T):
                 raise TreeInvariantError(0, None, f"{name} has shape {tuple(t.shape)}, "
                                                   f"expected {(B, T)}")
-        if self.num_nodes.shape != (B,):
-            raise TreeInvariantError(0, None, f"num_nodes has shape "
-                                              f"{tuple(self.num_nodes.shape)}, expected {(B,)}")
-        for name in ("token", "parent", "depth", "num_nodes"):
+        if self.node_counts.shape != (B,):
+            raise TreeInvariantError(0, None, f"node_counts has shape "
+                                              f"{tuple(self.node_counts.shape)}, expected {(B,)}")
+        for name in ("token", "parent", "depth", "node_counts"):
             if getattr(self, name).dtype != torch.long:
                 raise TreeInvariantError(0, None, f"{name} has dtype "
                                                   f"{getattr(self, name).dtype}, expected int64")
         token, parent, depth = self.token.cpu(), self.parent.cpu(), self.depth.cpu()
-        num_nodes = self.num_nodes.cpu()
+        counts = self.node_counts.cpu()
         valid = self.valid.cpu()
         for b in range(B):
-            n = int(num_nodes[b])
+            n = int(counts[b])
             if not 0 <= n <= T - 1:
-                raise TreeInvariantError(b, None, f"num_nodes {n} outside [0, {T - 1}]")
+                raise TreeInvariantError(b, None, f"node_counts {n} outside [0, {T - 1}]")
             if int(parent[b, 0]) != 0 or int(depth[b, 0]) != 0:
                 raise TreeInvariantError(b, 0, "the root must have parent 0 and depth 0")
             for i in range(1, T):
@@ -279,23 +280,23 @@ class TreeBatch:
                                                    f"allowed: at most max_children="
                                                    f"{max_children}")
         return cls(token=tok.to(device), parent=par.to(device), depth=dep.to(device),
-                   num_nodes=num.to(device), max_depth=max_depth or deepest,
+                   node_counts=num.to(device), max_depth=max_depth or deepest,
                    max_children=max_children or widest)
 
-    def truncated(self, num_nodes: torch.Tensor) -> "TreeBatch":
-        """Keep only the first ``num_nodes[b]`` draft nodes of each request.
+    def truncated(self, node_counts: torch.Tensor) -> "TreeBatch":
+        """Keep only the first ``node_counts[b]`` draft nodes of each request.
 
         BFS order makes every prefix a valid tree, so this is just a smaller budget
         plus re-padding the dropped slots.
         """
-        n = torch.minimum(num_nodes.to(self.num_nodes), self.num_nodes)
+        n = torch.minimum(node_counts.to(self.node_counts), self.node_counts)
         keep = self.node_index <= n.unsqueeze(1)
         zeros = torch.zeros_like(self.token)
         return TreeBatch(
             token=torch.where(keep, self.token, zeros),
             parent=torch.where(keep, self.parent, zeros),
             depth=torch.where(keep, self.depth, torch.ones_like(self.depth)),
-            num_nodes=n, max_depth=self.max_depth, max_children=self.max_children,
+            node_counts=n, max_depth=self.max_depth, max_children=self.max_children,
             score=None if self.score is None else torch.where(
                 keep, self.score, torch.full_like(self.score, float("-inf"))),
         )
@@ -304,7 +305,7 @@ class TreeBatch:
         """Per-request plain lists of the valid part (traces and failure dumps)."""
         out = []
         for b in range(self.batch_size):
-            n = int(self.num_nodes[b]) + 1
+            n = int(self.node_counts[b]) + 1
             out.append({"token": self.token[b, :n].tolist(),
                         "parent": self.parent[b, :n].tolist(),
                         "depth": self.depth[b, :n].tolist()})

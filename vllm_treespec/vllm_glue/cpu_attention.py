@@ -14,7 +14,7 @@ the drafter's frontier nodes attend to the paged prefix plus their ancestors in
 a small per-layer side buffer (``draft_level``, ``prefix_side_attention``); nothing
 of the draft tree is written to the paged cache. One-wide levels (chains) are the exception:
 they run as stock EAGLE chain steps, native kernel and paged cache
-(``TreeEagleProposer._chain_level``).
+(``paged_drafts.PagedForwards.chain_level``).
 
 Outside tree mode nothing here runs: the runner only installs this backend when
 the speculative method is ``eagle3_tree``, and without tree metadata every call

@@ -25,7 +25,7 @@ class _CPUDevice:
     # takes two). A step that needs more verifies its trees with torch instead.
     SPARE_BLOCKS = 8
     # One-wide drafting levels run as stock EAGLE chain steps: the native kernel
-    # over the paged cache (``TreeEagleProposer._chain_level``). Not on Ascend:
+    # over the paged cache (``paged_drafts.PagedForwards.chain_level``). Not on Ascend:
     # vllm-ascend's drafting metadata for that path is unverified without an NPU.
     paged_chain_levels = True
     chains_need_tree_metadata = False  # chain-only steps run the native kernel alone

@@ -222,7 +222,7 @@ class TreeMetrics:
             t.steps += 1
             t.chain_steps += chain
             t.trees += tree.batch_size
-            t.nodes += int(tree.num_nodes.sum())
+            t.nodes += int(tree.node_counts.sum())
             t.emitted += sum(accepted) + tree.batch_size
             t.add_depths(at_least)
             t.accept_s += accept_s

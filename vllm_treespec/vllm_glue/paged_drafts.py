@@ -11,8 +11,8 @@ and attended by vLLM's native kernel (so no tree metadata at all):
   (lookahead = ``depth``: ``scheduling.reserve_tree_lookahead``); the next step's
   first pass (or catch-up) writes it again before it is read as prefix.
 
-A mixin of ``TreeEagleProposer`` (it needs vLLM's ``EagleProposer`` state: the
-drafter model, metadata builders, slot-mapping buffers).
+Held by ``TreeEagleProposer``; it runs on the proposer's vLLM ``EagleProposer``
+state (the drafter model, metadata builders, slot-mapping buffers).
 """
 
 from __future__ import annotations
@@ -23,35 +23,39 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 
-class PagedDrafting:
-    def _catch_up(self, cad, req_ids: list[str], step_start: list[int] | None) -> None:
+class PagedForwards:
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def catch_up(self, deferred, cad, req_ids: list[str], step_start: list[int] | None) -> int:
         """Forward the deferred drafter inputs of this batch's requests, batched
         (passes of at most the drafter's token budget): they write the drafter
-        KV that the skipped first passes did not."""
-        for batch in self.deferred.take(req_ids, step_start, self.max_num_tokens):
-            self._catch_up_pass(cad, batch)
+        KV that the skipped first passes did not. Returns the tokens forwarded."""
+        d = self.drafter
+        tokens = 0
+        for batch in deferred.take(req_ids, step_start, d.max_num_tokens):
+            rows = torch.tensor(batch.rows, dtype=torch.long, device=d.device)
+            self.forward(cad.block_table_tensor[rows], batch.query_lens, batch.seq_lens,
+                         batch.positions.to(d.device), batch.ids.to(d.device),
+                         batch.hidden.to(d.device))
+            tokens += sum(batch.query_lens)
+        return tokens
 
-    def _catch_up_pass(self, cad, batch) -> None:
-        rows = torch.tensor(batch.rows, dtype=torch.long, device=self.device)
-        self._paged_forward(cad.block_table_tensor[rows], batch.query_lens, batch.seq_lens,
-                            batch.positions.to(self.device), batch.ids.to(self.device),
-                            batch.hidden.to(self.device))
-        self.catch_up_tokens += sum(batch.query_lens)
-
-    def _paged_forward(self, block_table: torch.Tensor, query_lens: list[int],
+    def forward(self, block_table: torch.Tensor, query_lens: list[int],
                        seq_lens: list[int], positions: torch.Tensor, input_ids: torch.Tensor,
                        hidden: torch.Tensor):
         """One drafter forward over ``query_lens[i]`` tokens of each of these
         requests (``block_table`` rows), ending at ``seq_lens[i]``: their K/V go
         to the paged cache at ``positions`` and they attend causally to it,
         as in a stock EAGLE drafting step."""
-        dev = self.device
+        d = self.drafter
+        dev = d.device
         q_lens = torch.tensor(query_lens, dtype=torch.int32)
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(q_lens, 0)
         span = torch.repeat_interleave(torch.arange(len(query_lens), device=dev),
                                        q_lens.to(dev).long())
-        bs = self.block_size
+        bs = d.block_size
         slots = block_table[span, positions // bs].long() * bs + positions % bs
         n = int(qsl[-1])
         paged_cad = CommonAttentionMetadata(
@@ -60,13 +64,13 @@ class PagedDrafting:
             num_reqs=len(query_lens), num_actual_tokens=n, max_query_len=max(query_lens),
             max_seq_len=max(seq_lens), block_table_tensor=block_table,
             slot_mapping=slots, positions=positions)
-        _, per_layer_md = self.build_per_group_and_layer_attn_metadata(paged_cad)
-        with set_forward_context(per_layer_md, self.vllm_config, num_tokens=n,
+        _, per_layer_md = d.build_per_group_and_layer_attn_metadata(paged_cad)
+        with set_forward_context(per_layer_md, d.vllm_config, num_tokens=n,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                 slot_mapping=self._get_slot_mapping(n, slots)):
-            return self.model(input_ids=input_ids, positions=positions, hidden_states=hidden)
+                                 slot_mapping=d._get_slot_mapping(n, slots)):
+            return d.model(input_ids=input_ids, positions=positions, hidden_states=hidden)
 
-    def _chain_level(self, block_table: torch.Tensor, prefix_len: torch.Tensor, level,
+    def chain_level(self, block_table: torch.Tensor, prefix_len: torch.Tensor, level,
                      parent_hidden: torch.Tensor):
         """Forward each request's chain tip (``level`` slot 0, child of slot 0 of
         ``parent_hidden``) as stock EAGLE drafts a chain: its K/V go to the paged
@@ -78,5 +82,5 @@ class PagedDrafting:
         B = prefix_len.shape[0]
         positions = prefix_len + (level.depth - 1)
         seq_lens = (positions + 1).tolist()
-        return self._paged_forward(block_table, [1] * B, seq_lens, positions,
+        return self.forward(block_table, [1] * B, seq_lens, positions,
                                    level.tokens[:, 0].int(), parent_hidden[:, 0])

@@ -14,11 +14,12 @@ marginals (as Medusa-style trees do), with no further forward.
 
 vLLM loads ``mask_hidden`` only for its own ``parallel_drafting`` chains, which
 would also reshape the first pass; the tree reads it from the checkpoint here.
-A mixin of ``TreeEagleProposer``.
+The level strategy of a ``"draft": "parallel"`` drafter (``draft_levels``).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from vllm.config import CUDAGraphMode
 from vllm.forward_context import set_forward_context
 
 from vllm_treespec.attention import DraftTreeLevelMetadata
+from vllm_treespec.vllm_glue.draft_levels import LevelsRun, LevelStep
 from vllm_treespec.vllm_glue.support import NOT_A_PARALLEL_HEAD, bad_drafter
 
 
@@ -49,37 +51,47 @@ def read_mask_hidden(model: str, revision: str | None = None,
     raise bad_drafter(path, NOT_A_PARALLEL_HEAD)
 
 
-class ParallelDrafting:
-    slot_state: torch.Tensor | None = None  # fc(mask_hidden), [1, d]; None: sequential
-    pard_token: int = 0
-
-    def _load_parallel_state(self) -> None:
-        draft = self.draft_model_config
+class ParallelLevels:
+    def __init__(self, drafter):
+        """Read the head's slot state (after the drafter's weights are loaded)."""
+        self.drafter = drafter
+        draft = drafter.draft_model_config
         self.pard_token = int(draft.hf_config.pard_token)  # checked at startup (support)
         mask = read_mask_hidden(draft.model, draft.revision,
-                                self.vllm_config.load_config.download_dir)
-        dtype = self.vllm_config.model_config.dtype
-        with torch.no_grad():
-            self.slot_state = self.model.combine_hidden_states(
-                mask.to(self.device, dtype).reshape(1, -1))
+                                drafter.vllm_config.load_config.download_dir)
+        dtype = drafter.vllm_config.model_config.dtype
+        with torch.no_grad():  # fc(mask_hidden), [1, d]
+            self.slot_state = drafter.model.combine_hidden_states(
+                mask.to(drafter.device, dtype).reshape(1, -1))
 
-    def _parallel_marginals(self, batch_size: int, slots: int, prefix_len: torch.Tensor,
-                            max_prefix: int, block_table: torch.Tensor, side_capacity: int,
-                            scratch: dict) -> torch.Tensor:
+    def grow(self, builder, level, parent_hidden: torch.Tensor, step: LevelStep) -> LevelsRun:
+        t0 = time.perf_counter()
+        run = LevelsRun(sequential=False)
+        if not builder.done:
+            marginals = self.marginals(step, step.depth - 1)
+            run.levels, run.nodes_forwarded = 1, step.batch_size * (step.depth - 1)
+            builder.grow_from_marginals(level, marginals, step.width)  # the builder is done
+        run.seconds = time.perf_counter() - t0
+        return run
+
+    def marginals(self, step: LevelStep, slots: int) -> torch.Tensor:
         """[B, slots, V] draft log-probs of depths 2 .. slots + 1, one forward."""
-        n = batch_size * slots
-        offsets = torch.arange(slots, device=self.device)
-        positions = (prefix_len.unsqueeze(1) + offsets).clamp(max=self.max_model_len - 1)
-        causal = torch.ones(slots, slots, dtype=torch.bool, device=self.device).tril()
+        d = self.drafter
+        B = step.batch_size
+        n = B * slots
+        offsets = torch.arange(slots, device=d.device)
+        positions = (step.prefix_len.unsqueeze(1) + offsets).clamp(max=d.max_model_len - 1)
+        causal = torch.ones(slots, slots, dtype=torch.bool, device=d.device).tril()
         md = DraftTreeLevelMetadata(
-            batch_size=batch_size, width=slots, side_offset=0,
-            side_capacity=max(side_capacity, slots), prefix_len=prefix_len,
-            max_prefix_len=max_prefix, block_table=block_table, block_size=self.block_size,
-            side_mask=causal.expand(batch_size, slots, slots).contiguous(), scratch=scratch)
-        ids = torch.full((n,), self.pard_token, dtype=torch.int32, device=self.device)
-        with set_forward_context({name: md for name in self._draft_attn_layer_names},
-                                 self.vllm_config, num_tokens=n,
+            batch_size=B, width=slots, side_offset=0,
+            side_capacity=max(step.side_capacity, slots), prefix_len=step.prefix_len,
+            max_prefix_len=step.max_prefix, block_table=step.block_table,
+            block_size=d.block_size, side_mask=causal.expand(B, slots, slots).contiguous(),
+            scratch=step.scratch)
+        ids = torch.full((n,), self.pard_token, dtype=torch.int32, device=d.device)
+        with set_forward_context({name: md for name in d._draft_attn_layer_names},
+                                 d.vllm_config, num_tokens=n,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
-            last_hidden, _ = self.model(input_ids=ids, positions=positions.reshape(n),
-                                        hidden_states=self.slot_state.expand(n, -1).contiguous())
-        return self._draft_vocab_logprobs(last_hidden).view(batch_size, slots, -1)
+            last_hidden, _ = d.model(input_ids=ids, positions=positions.reshape(n),
+                                     hidden_states=self.slot_state.expand(n, -1).contiguous())
+        return d.draft_vocab_logprobs(last_hidden).view(B, slots, -1)

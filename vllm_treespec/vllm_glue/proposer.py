@@ -3,30 +3,17 @@
 Step 1 is vLLM's own first drafting pass, unchanged: after the verify step the
 runner has compacted the accepted path to the front of each request's tokens, so
 the drafter sees an ordinary chain (accepted tokens + bonus) and runs exactly as
-stock ``eagle3`` would, writing its KV into the paged cache.
+stock ``eagle3`` would, writing its KV into the paged cache. Below the roots'
+children a level strategy (``draft_levels``: levels one after another in a side
+buffer or as paged chain steps, or one parallel-drafting forward) grows the
+frontier; the best ``num_nodes`` candidates form the tree, whose tokens go to
+the scheduler as the request's draft tokens (BFS order), and whose shape is kept
+here until the runner verifies it.
 
-Then, instead of a chain of single-token steps, the tree builder expands the
-frontier level by level: at level d the F frontier nodes of every request are
-forwarded together (positions ``P' + d - 1`` where P' is the new root's
-position), attending to the committed prefix plus their own ancestors among the
-earlier levels' nodes (kept in a per-layer side buffer, see ``cpu_attention``).
-The best ``num_nodes`` candidates form the tree; its tokens go to the scheduler
-as the request's draft tokens (BFS order), and its shape is kept here until the
-runner verifies it.
-
-A level forwards only the frontier nodes that can still matter: those whose
-children can enter the final top-``num_nodes`` (``selectable_width``) and, with
-the adaptive budget, at most ``level_width`` per request (one, the chain's tip,
-while its selections keep chains). Where the runner's device allows it
-(``paged_chain_levels``: the CPU), such one-wide levels run as stock EAGLE chain
-steps, native kernel over the paged cache, so a chain costs a stock chain's
-drafting.
 When the budget says "no drafts" for a step, the first pass is skipped too
 (prefill chunks included) and its inputs deferred (``deferred_drafts``); the
 next drafting step catches the drafter's KV up in one batched pass before its
-own first pass.
-With ``"draft": "parallel"`` the levels are replaced by one forward of
-parallel-drafting slots (``parallel_drafts``).
+own first pass (``paged_drafts``).
 """
 
 from __future__ import annotations
@@ -44,18 +31,19 @@ from vllm_treespec.observability import trace_dir_from
 from vllm_treespec.tree_fallback import validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
-from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.attention.chain_split import scratch_prefix
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.vllm_glue.copy_source import CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
-from vllm_treespec.vllm_glue.paged_drafts import PagedDrafting
-from vllm_treespec.vllm_glue.parallel_drafts import ParallelDrafting
+from vllm_treespec.vllm_glue.draft_levels import (LevelsRun, LevelStep, SequentialLevels,
+                                                  StepTimes, observe_step)
+from vllm_treespec.vllm_glue.paged_drafts import PagedForwards
+from vllm_treespec.vllm_glue.parallel_drafts import ParallelLevels
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 
-class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
+class TreeEagleProposer(EagleProposer):
     def __init__(self, vllm_config, device, runner=None):
         super().__init__(vllm_config, device, runner)
         self.runner = runner
@@ -76,7 +64,9 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
         self.defer_when_off = True  # False: run the first pass every step (reference)
         # One-wide levels as stock chain steps on the paged cache (the runner's
         # device says whether its attention backend serves them natively).
-        self.paged_chain_levels = bool(getattr(runner, "paged_chain_levels", False))
+        self.paged = PagedForwards(self)
+        self.levels = SequentialLevels(
+            self, self.paged if getattr(runner, "paged_chain_levels", False) else None)
         self.catch_up_tokens = 0
         self.dropped_tokens = 0  # deferred inputs dropped while off (bounded memory)
         self.faults = DraftFaults()  # drafting steps that raised (see propose)
@@ -90,10 +80,10 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             support.check_token_map(token_map, self.vllm_config.model_config.get_vocab_size(),
                                     self.vllm_config.speculative_config.model)
         if self.tree_cfg.draft == "parallel":
-            self._load_parallel_state()
+            self.levels = ParallelLevels(self)  # reads the loaded head's slot state
 
     # ------------------------------------------------------------------ drafts
-    def _draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+    def draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Log-probabilities over the drafter's own (reduced) vocabulary."""
         logits = self.model.logits_processor(self.model.lm_head, hidden)
         return torch.log_softmax(logits.float(), dim=-1)
@@ -155,30 +145,23 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
                      num_rejected_tokens_gpu=None, slot_mappings=None):
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
-        self._batch_req_ids = req_ids
-        if self.adaptive_budget is not None and self.adaptive_budget.catch_up_pending is None:
-            self.adaptive_budget.catch_up_pending = self._catch_up_pending
-        depth = self.adaptive_budget.plan_depth(batch_size) if self.adaptive_budget is not None \
-            else self.tree_cfg.depth
-        self.last_depth = depth
-        if (depth == 0 and self.defer_when_off
-                and common_attn_metadata.max_query_len == 1):
+        depth = self._plan_depth(req_ids)
+        roots = next_token_ids[:batch_size]
+        if depth == 0 and self.defer_when_off and common_attn_metadata.max_query_len == 1:
             # Off, and every request decodes one token: a plain step would not
             # run the drafter, so neither do we. Request b's first-pass input is
             # (its new token, its position, the target's raw states there); they
             # wait in self.deferred, combined (fc) only at catch-up.
             rows = list(range(batch_size))
-            self.deferred.defer(req_ids, next_token_ids[:batch_size],
-                                target_positions[:batch_size],
+            self.deferred.defer(req_ids, roots, target_positions[:batch_size],
                                 target_hidden_states[:batch_size], rows, rows)
-            return self._finish_off_step(common_attn_metadata, req_ids, t0,
-                                         next_token_ids[:batch_size])
-        target_hidden_states = self.model.combine_hidden_states(target_hidden_states)
+            return self._finish_off_step(req_ids, t0, roots)
 
         # --- first pass: stock EAGLE over the (compacted) accepted chain -----
         num_tokens, token_indices_to_sample, cad = self.set_inputs_first_pass(
             target_token_ids=target_token_ids, next_token_ids=next_token_ids,
-            target_positions=target_positions, target_hidden_states=target_hidden_states,
+            target_positions=target_positions,
+            target_hidden_states=self.model.combine_hidden_states(target_hidden_states),
             token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         first_rows = cad.query_start_loc_cpu[:batch_size].tolist()
@@ -188,143 +171,109 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
-            return self._finish_off_step(cad, req_ids, t0, next_token_ids[:batch_size])
-        t_before_catch_up = time.perf_counter()
-        caught_before = self.catch_up_tokens
+            return self._finish_off_step(req_ids, t0, roots)
+        times = StepTimes(t0)
+        caught_up = self._catch_up(cad, req_ids, first_rows, num_tokens, times)
+        last_hidden, hidden = self._first_pass(cad, num_tokens, times)
+        if depth == 0:  # off, not deferring (the reference): nothing to draft
+            return self._finish_step(self._hand_over(None, roots), t0)
+
+        # --- the levels below the roots' children (draft_levels) -------------
+        step = self._level_step(cad, batch_size, depth, num_rejected_tokens_gpu)
+        builder = self._builder(batch_size, depth)
+        level = builder.first_level(
+            self.draft_vocab_logprobs(last_hidden[token_indices_to_sample]))
+        run = self.levels.grow(builder, level, hidden[token_indices_to_sample].unsqueeze(1),
+                               step)
+        return self._selected_drafts(builder, step, run, roots.long(), times,
+                                     first_tokens=num_tokens, caught_up=caught_up)
+
+    def _plan_depth(self, req_ids: list[str]) -> int:
+        """This step's drafting depth (0: no drafts): the adaptive budget's plan,
+        else the configured depth."""
+        self._batch_req_ids = req_ids
+        budget = self.adaptive_budget
+        if budget is not None and budget.catch_up_pending is None:
+            budget.catch_up_pending = self._catch_up_pending
+        depth = budget.plan_depth(len(req_ids)) if budget is not None else self.tree_cfg.depth
+        self.last_depth = depth
+        return depth
+
+    def _catch_up(self, cad, req_ids: list[str], first_rows: list[int], num_tokens: int,
+                  times: StepTimes) -> int:
+        """Forward the drafter inputs that off steps deferred (``deferred_drafts``),
+        before this step's first pass; returns the tokens caught up."""
+        t = time.perf_counter()
+        tokens = 0
         if len(self.deferred):
             positions = self._get_positions(num_tokens)
-            self._catch_up(cad, req_ids, positions[first_rows].tolist())
-        t_catch_up = time.perf_counter()
+            tokens = self.paged.catch_up(self.deferred, cad, req_ids,
+                                         positions[first_rows].tolist())
+            self.catch_up_tokens += tokens
+        times.catch_up = time.perf_counter() - t
+        return tokens
+
+    def _first_pass(self, cad, num_tokens: int, times: StepTimes):
+        t = time.perf_counter()
         _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad)
         model_kwargs, _ = self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
         with set_forward_context(per_layer_md, self.vllm_config, num_tokens=num_tokens,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                  slot_mapping=self._get_slot_mapping(num_tokens,
                                                                      cad.slot_mapping)):
-            last_hidden, hidden = self.model(**model_kwargs)
-        t_first = time.perf_counter()
-        if depth == 0:  # off, not deferring (the reference): nothing to draft
-            return self._finish_step(self._hand_over(None, next_token_ids[:batch_size]), t0)
-        root_hidden = hidden[token_indices_to_sample]               # [B, d]
-        root_logprobs = self._draft_vocab_logprobs(last_hidden[token_indices_to_sample])
+            out = self.model(**model_kwargs)
+        times.first = time.perf_counter() - t
+        return out
 
-        # --- tree expansion ---------------------------------------------------
+    def _level_step(self, cad, batch_size: int, depth: int,
+                    num_rejected_tokens_gpu) -> LevelStep:
         # Drafter KV is valid for positions < P' (the new root's position).
         prefix_len = cad.seq_lens[:batch_size].long()
         if num_rejected_tokens_gpu is not None:
             prefix_len = prefix_len - num_rejected_tokens_gpu[:batch_size].long()
-        builder = self._builder(batch_size, depth)
-        level = builder.first_level(root_logprobs)
-        parent_hidden = root_hidden.unsqueeze(1)                    # [B, 1, d]
-        parent_mask = torch.zeros(batch_size, 1, 0, dtype=torch.bool, device=self.device)
-        side_capacity = self._side_capacity()
-        side_offset = 0
-        max_prefix = int(prefix_len.max()) if batch_size else 0
-        block_table = cad.block_table_tensor[:batch_size]
-        scratch: dict = {}  # per-step backend state shared by the levels
-        levels_run = nodes_forwarded = 0
+        budget = self.adaptive_budget
         dynamic = self.topology is None
-        width_cap = (self.adaptive_budget.level_width(depth) if self.adaptive_budget is not None
-                     else self.tree_cfg.top_k)
-        # One node a level (the chain's tip): a stock EAGLE chain step, with the
-        # native kernel over the paged cache (see _chain_level).
-        chain_levels = (self.paged_chain_levels and dynamic and width_cap == 1
-                        # the scheduler's lookahead (scheduling.reserve_tree_lookahead)
-                        and depth <= self.tree_cfg.depth
-                        and max_prefix + depth - 2 < self.max_model_len)  # deepest tip
-        t_levels = time.perf_counter()
-        if self.slot_state is not None and not builder.done:  # one forward, all depths
-            marginals = self._parallel_marginals(batch_size, depth - 1, prefix_len, max_prefix,
-                                                 block_table, side_capacity, scratch)
-            levels_run, nodes_forwarded = 1, batch_size * (depth - 1)
-            level = builder.grow_from_marginals(level, marginals, width_cap)  # done: no loop
-        # The adaptive budget may end a step's drafting before its planned depth.
-        stops_early = self.adaptive_budget is not None and dynamic
-        while not builder.done and level.tokens.shape[1] > 0:
-            F = level.tokens.shape[1]
-            if dynamic and width_cap > 1:  # only frontier nodes whose children can be kept
-                F = min(F, width_cap, builder.selectable_width())
-            elif dynamic:
-                F = min(F, width_cap)
-            if stops_early and not self.adaptive_budget.level_pays(
-                    builder.frontier_scores(F), levels_run):
-                break  # too unsure to pay for another level (see AdaptiveBudget.level_pays)
-            levels_run += 1
-            nodes_forwarded += batch_size * F
-            if chain_levels:  # F == 1
-                last_hidden, hidden = self._chain_level(block_table, prefix_len, level,
-                                                        parent_hidden)
-            else:
-                tokens, slot = level.tokens[:, :F], level.parent_slot[:, :F]   # [B, F]
-                h_in = torch.gather(parent_hidden, 1,
-                                    slot.unsqueeze(-1).expand(-1, -1, parent_hidden.shape[-1]))
-                # Each node sees its parent's side entries plus its own new column.
-                inherited = torch.gather(
-                    parent_mask, 1, slot.unsqueeze(-1).expand(-1, -1, parent_mask.shape[-1]))
-                own = torch.eye(F, dtype=torch.bool, device=self.device).expand(batch_size, F, F)
-                side_mask = torch.cat([inherited, own], dim=2)
-                positions = (prefix_len + (level.depth - 1)).clamp(max=self.max_model_len - 1)
-                md = DraftTreeLevelMetadata(
-                    batch_size=batch_size, width=F, side_offset=side_offset,
-                    side_capacity=side_capacity, prefix_len=prefix_len,
-                    max_prefix_len=max_prefix, block_table=block_table,
-                    block_size=self.block_size, side_mask=side_mask, scratch=scratch)
-                n = batch_size * F
-                with set_forward_context({name: md for name in self._draft_attn_layer_names},
-                                         self.vllm_config, num_tokens=n,
-                                         cudagraph_runtime_mode=CUDAGraphMode.NONE,
-                                         slot_mapping={}):
-                    last_hidden, hidden = self.model(
-                        input_ids=tokens.reshape(n).int(),
-                        positions=positions.repeat_interleave(F),  # contiguous: indexed raw
-                        hidden_states=h_in.reshape(n, -1))
-                parent_mask = side_mask
-                side_offset += F
-            logprobs = self._draft_vocab_logprobs(last_hidden).view(batch_size, F, -1)
-            parent_hidden = hidden.view(batch_size, F, -1)
-            level = builder.next_level(logprobs)
-        levels_s = time.perf_counter() - t_levels
-        budget, chain_only = None, False
-        if self.adaptive_budget is not None and self.topology is None:
-            budget, chain_only = self.adaptive_budget.select(
+        return LevelStep(
+            batch_size=batch_size, depth=depth, prefix_len=prefix_len,
+            max_prefix=int(prefix_len.max()) if batch_size else 0,
+            block_table=cad.block_table_tensor[:batch_size],
+            width=budget.level_width(depth) if budget is not None else self.tree_cfg.top_k,
+            dynamic=dynamic, side_capacity=self._side_capacity(),
+            # The adaptive budget may end a step's drafting before its planned depth.
+            budget=budget if dynamic else None)
+
+    def _selected_drafts(self, builder, step: LevelStep, run: LevelsRun, roots: torch.Tensor,
+                         times: StepTimes, first_tokens: int, caught_up: int) -> list[list[int]]:
+        """The trees the budget selects from the builder's candidates, checked
+        and handed over; the budget learns what the step cost and kept."""
+        budget, node_budget, chain_only = self.adaptive_budget, None, False
+        if budget is not None and step.dynamic:
+            node_budget, chain_only = budget.select(
                 builder.candidate_scores(), builder.M, builder.chain_candidates())
-        roots = next_token_ids[:batch_size].long()
-        trees = (builder.finish(roots, budget, chain_only=True) if chain_only
-                 else builder.finish(roots, budget))
-        selected = trees.num_nodes.cpu().numpy()
-        t_check = time.perf_counter()
+        trees = (builder.finish(roots, node_budget, chain_only=True) if chain_only
+                 else builder.finish(roots, node_budget))
+        selected = trees.node_counts.cpu().numpy()
+        t = time.perf_counter()
         if self.tree_cfg.validate_invariants:
-            trees = self._checked(trees, prefix_len)
-        check_s = time.perf_counter() - t_check
-        drafts = self._hand_over(trees, roots, prefix_len.tolist())
-        if self.adaptive_budget is not None:
+            trees = self.checked_trees(trees, step.prefix_len)
+        times.check = time.perf_counter() - t
+        drafts = self._hand_over(trees, roots, step.prefix_len.tolist())
+        if budget is not None:
             # What the step goes on to verify of the drafter's nodes: the
             # selection's, less what the scratch cut took (_scratch_capacity).
             k = min(len(selected), len(drafts))
             verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
-            self.adaptive_budget.observe_budget(
-                depth, float(verified.mean()) if k else 0.0, branching=not chain_only,
-                unverified=int((selected == 0).sum()),
-                levels=levels_run if self.slot_state is None else None)
-            # The rest of the step (planning, roots, selection, hand-over) is
-            # fixed drafting work; catching up belongs to the off steps before,
-            # and validation (a debugging mode) must not price speculation out.
-            rest = ((time.perf_counter() - t0) - (t_first - t_before_catch_up) - levels_s
-                    - check_s)
-            first_s, levels_s, rest, catch_up_s = rank_agreement.timings(
-                t_first - t_catch_up, levels_s, rest, t_catch_up - t_before_catch_up)
-            self.adaptive_budget.observe_catch_up(self.catch_up_tokens - caught_before, catch_up_s)
-            self.adaptive_budget.observe_draft(
-                num_tokens, first_s, levels_run, nodes_forwarded, levels_s, batch=batch_size,
-                overhead_s=rest, one_wide=dynamic and width_cap == 1 and self.slot_state is None)
-        return self._finish_step(drafts, t0)
+            observe_step(budget, step, run, times, first_tokens=first_tokens,
+                         caught_up=caught_up, verified=float(verified.mean()) if k else 0.0,
+                         branching=not chain_only, unverified=int((selected == 0).sum()))
+        return self._finish_step(drafts, times.start)
 
     def _catch_up_pending(self) -> tuple[int, int]:
         """(Deferred drafter inputs of the batch at hand, their bound): what the
         next drafting step would catch up (the budget prices probes with it)."""
         return self.deferred.pending(self._batch_req_ids), self.deferred.max_tokens
 
-    def _finish_off_step(self, cad, req_ids: list[str], t0: float,
+    def _finish_off_step(self, req_ids: list[str], t0: float,
                          roots: torch.Tensor) -> list[list[int]]:
         if self.deferred.pending(req_ids) > self.deferred.max_tokens:
             # Bounded memory without a drafter pass: keep each request's most
@@ -341,10 +290,10 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             metrics.on_draft(self.last_draft_seconds)
         return drafts
 
-    def _checked(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
+    def checked_trees(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
         """Validate every tree; a request whose tree is malformed gets no drafts
         this step (plain decoding is always correct) and the batch is dumped."""
-        keep = trees.num_nodes.clone()
+        keep = trees.node_counts.clone()
 
         def without_drafts(b):
             keep[b] = 0
@@ -380,7 +329,7 @@ class TreeEagleProposer(ParallelDrafting, PagedDrafting, EagleProposer):
             tokens = trees.token.cpu().numpy()
             parents = trees.parent.cpu().numpy()
             probs = torch.exp(trees.score.float()).cpu().numpy()
-            num = trees.num_nodes.cpu().numpy()
+            num = trees.node_counts.cpu().numpy()
         allowed = self.runner.tree_allowed_mask(B)
         num = np.where(allowed, num[:B], 0)
         copies = self._copy_plan(trees, probs if trees is not None else None, num, roots)

@@ -306,7 +306,7 @@ class TreeRunnerMixin(StepCostCalibration):
 
     def _tree_metadata(self, step: VerifyStep) -> PagedTreeAttentionMetadata:
         tree = step.tree
-        q_lens = tree.num_nodes + 1
+        q_lens = tree.node_counts + 1
         qsl = torch.zeros(tree.batch_size + 1, dtype=torch.int32, device=self.device)
         qsl[1:] = torch.cumsum(q_lens, 0)
         bt = self.input_batch.block_table[0]

@@ -121,7 +121,7 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(-1)
 
 
-def _node_rows(step: VerifyStep) -> torch.Tensor:
+def node_rows(step: VerifyStep) -> torch.Tensor:
     """[Bt, T] logits row of every node (padding nodes read the root's row)."""
     T = step.tree.tree_size
     offs = torch.arange(T, device=step.logit_start.device).unsqueeze(0)
@@ -147,7 +147,7 @@ class NodeLogits:
 
     def __getitem__(self, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         trees, nodes = index
-        x = self.logits[_node_rows(self.step)[trees, nodes]].float()  # a copy: ours to edit
+        x = self.logits[node_rows(self.step)[trees, nodes]].float()  # a copy: ours to edit
         md = self.md
         reqs = self.step.req_index[trees]
         if md.allowed_token_ids_mask is not None:
@@ -298,7 +298,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
         # Greedy and nothing to process: the argmax of the raw rows, without
         # copying every node's logits (the batch-1 step's common case).
         return _output(num_reqs, None, step,
-                       greedy_accept(step.tree, row_argmax(logits)[_node_rows(step)]))
+                       greedy_accept(step.tree, row_argmax(logits)[node_rows(step)]))
     base = None
     if not skip_base:
         num_sampled = torch.tensor([n + 1 for n in spec_md.num_draft_tokens], device=dev)
@@ -378,7 +378,7 @@ def _logprobs(sampler, logits, node_logits: NodeLogits, step, md, acc, base,
     ids[:, 0], lps[:, 0], ranks[:, 0] = b_ids, b_lp, b_rank
     Bt = step.tree.batch_size
     mode = sampler.logprobs_mode
-    rows = torch.gather(_node_rows(step), 1, acc.path)                  # [Bt, width]
+    rows = torch.gather(node_rows(step), 1, acc.path)                  # [Bt, width]
     if mode.startswith("processed"):
         trees = torch.arange(Bt, device=rows.device).repeat_interleave(width)
         x = _as_sampled(node_logits[trees, acc.path.reshape(-1)], step, md, trees)
