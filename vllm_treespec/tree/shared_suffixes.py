@@ -1,0 +1,139 @@
+"""Copy drafts from other requests: a bounded store of recent finished outputs.
+
+Agents that call the same tools, pipelines over one schema, and code assistants
+that write the same scaffolding repeat text *across* requests. The store keeps
+recent finished outputs and, for a request's last tokens, proposes what
+followed them in those outputs: the same ``CopyDraft`` continuations the
+request's own history gives (``copy_drafts``), grafted into the same tree.
+
+* **Tenants.** Outputs are filed under their tenant (vLLM's ``cache_salt``;
+  ``None`` for requests without one, which see each other's outputs only). A
+  lookup reads its own tenant's index and nothing else, so whether a
+  continuation was recently generated for another tenant cannot show up as
+  speed. The eviction order is shared: one tenant's traffic can push another's
+  outputs out sooner (how much the store holds, not what it holds, is visible).
+* **Bounded memory.** At most ``max_tokens`` tokens in all, oldest output first
+  out (an output longer than that keeps its last ``max_tokens``). The index
+  holds at most ``per_key`` occurrences of each n-gram, the most recent.
+* **Bounded host cost.** A lookup hashes ``max_ngram - min_ngram + 1`` n-grams
+  and reads at most ``per_key`` occurrences of each, whatever the store's size.
+* **Ranking.** Among the continuations of the longest n-gram that matches,
+  the one that followed it most often first (then the most recent), as
+  SuffixDecoding ranks by frequency; a continuation that is a prefix of one
+  already kept adds nothing and is dropped. Shorter n-grams fill the rest.
+
+Pure Python / numpy; no vLLM import.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+from vllm_treespec.tree.copy_drafts import CopyDraft
+
+Tenant = Hashable  # a cache_salt, or None
+
+
+class SharedSuffixes:
+    def __init__(self, max_tokens: int, max_ngram: int = 4, min_ngram: int = 2,
+                 length: int = 8, per_key: int = 16):
+        if max_tokens < 1 or per_key < 1 or length < 1 or not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"shared suffixes: max_tokens={max_tokens}, per_key={per_key}, "
+                             f"length={length} must be >= 1 and min_ngram={min_ngram} <= "
+                             f"max_ngram={max_ngram}")
+        self.max_tokens, self.length, self.per_key = max_tokens, length, per_key
+        self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first
+        self._docs: OrderedDict[int, tuple[Tenant, np.ndarray]] = OrderedDict()  # oldest first
+        self._index: dict[Tenant, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
+        self._next_id = 0
+        self.tokens = 0            # tokens held
+        self.lookups = self.hits = 0
+        self.examined = 0          # occurrences read by the last lookup
+
+    def add(self, tenant: Tenant, tokens: Sequence[int]) -> None:
+        """File a finished output under ``tenant``, evicting the oldest first."""
+        doc = np.asarray(tokens, dtype=np.int64)[-self.max_tokens:]
+        if len(doc) < 2:
+            return
+        while self._docs and self.tokens + len(doc) > self.max_tokens:
+            self._evict()
+        doc_id, self._next_id = self._next_id, self._next_id + 1
+        self._docs[doc_id] = (tenant, doc)
+        self.tokens += len(doc)
+        index = self._index.setdefault(tenant, {})
+        for key, end in self._keys(doc):
+            seen = index.setdefault(key, [])
+            seen.append((doc_id, end))
+            if len(seen) > self.per_key:
+                del seen[0]
+
+    def find(self, tenant: Tenant, history: Sequence[int],
+             max_branches: int) -> list[CopyDraft]:
+        """Up to ``max_branches`` distinct continuations of ``history`` (the root
+        last) from ``tenant``'s outputs: longest match first, then the most
+        frequent, then the most recent."""
+        self.lookups += 1
+        self.examined = 0
+        index = self._index.get(tenant)
+        out: list[CopyDraft] = []
+        if not index or max_branches < 1:
+            return out
+        h = [int(t) for t in history[-self.ngrams.start:]]
+        for n in self.ngrams:
+            if len(h) < n or len(out) >= max_branches:
+                continue
+            seen = index.get(tuple(h[-n:]), ())
+            self.examined += len(seen)
+            for cont in self._ranked(seen):
+                if len(out) >= max_branches:
+                    break
+                self._keep(out, CopyDraft(cont, n))
+        self.hits += bool(out)
+        return out
+
+    @staticmethod
+    def _keep(out: list[CopyDraft], draft: CopyDraft) -> None:
+        """Keep ``draft`` unless it is a prefix of a kept one; it replaces a kept
+        one it extends (one branch, verified once)."""
+        for i, kept in enumerate(out):
+            if kept.tokens[:len(draft.tokens)] == draft.tokens:
+                return
+            if draft.tokens[:len(kept.tokens)] == kept.tokens:
+                out[i] = CopyDraft(draft.tokens, kept.match)
+                return
+        out.append(draft)
+
+    def _ranked(self, seen: list[tuple[int, int]]) -> list[tuple[int, ...]]:
+        """The continuations after these occurrences, most frequent first (ties:
+        most recent), each counted with the longer ones it is a prefix of."""
+        conts = [tuple(int(t) for t in self._docs[d][1][end + 1: end + 1 + self.length])
+                 for d, end in reversed(seen)]              # most recent first
+        counts = Counter()
+        for c in conts:
+            for k in range(1, len(c) + 1):
+                counts[c[:k]] += 1
+        order = {c: i for i, c in reversed(list(enumerate(conts)))}
+        return sorted(order, key=lambda c: (-counts[c[:1]], -counts[c], order[c]))
+
+    def _keys(self, doc: np.ndarray):
+        """(n-gram, its last position) for every n-gram with a token after it."""
+        for n in self.ngrams:
+            for end in range(n - 1, len(doc) - 1):
+                yield tuple(int(t) for t in doc[end - n + 1: end + 1]), end
+
+    def _evict(self) -> None:
+        doc_id, (tenant, doc) = self._docs.popitem(last=False)
+        self.tokens -= len(doc)
+        index = self._index[tenant]
+        for key, _ in self._keys(doc):
+            seen = index.get(key)
+            if seen is None:
+                continue
+            seen[:] = [e for e in seen if e[0] != doc_id]
+            if not seen:
+                del index[key]
+        if not index:
+            del self._index[tenant]
