@@ -154,18 +154,16 @@ def test_no_copies_while_the_budget_keeps_speculation_off():
     from types import SimpleNamespace
 
     from vllm_treespec.vllm_glue.copy_source import CopySource
-    from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
+    from vllm_treespec.vllm_glue.hand_over import DraftHandOver
 
     history = np.array([[5, 6, 7, 8, 9, 5, 6, 7]])  # ends where "5 6 7" began: "8 9 .."
     proposer = SimpleNamespace(
         copies=CopySource(branches=2, length=4), adaptive_budget=None, last_depth=3,
         runner=SimpleNamespace(input_batch=SimpleNamespace(
             token_ids_cpu=history, num_tokens_no_spec=np.array([history.shape[1]]))))
-    proposer._copies_wanted = lambda roots: TreeEagleProposer._copies_wanted(proposer, roots)
-    plan = TreeEagleProposer._copy_plan(proposer, None, None, np.zeros(1, np.int64),
-                                        torch.tensor([7]))
+    hand_over = DraftHandOver(proposer)
+    plan = hand_over.copy_plan(None, None, np.zeros(1, np.int64), torch.tensor([7]))
     assert plan is not None and [c.tokens for c in plan[0][0]] == [(8, 9, 5, 6)]
     assert plan[1] == [[4]]
     proposer.last_depth = 0  # the adaptive budget planned this step off
-    assert TreeEagleProposer._copy_plan(proposer, None, None, np.zeros(1, np.int64),
-                                        torch.tensor([7])) is None
+    assert hand_over.copy_plan(None, None, np.zeros(1, np.int64), torch.tensor([7])) is None

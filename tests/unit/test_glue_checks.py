@@ -239,11 +239,13 @@ def test_the_stat_logger_exports_the_fallback_counters():
 
 def _failing_proposer(error: BaseException):
     from vllm_treespec.vllm_glue.draft_faults import DraftFaults
+    from vllm_treespec.vllm_glue.hand_over import DraftHandOver
     from vllm_treespec.vllm_glue.metrics import TreeMetrics
     from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 
     proposer = TreeEagleProposer.__new__(TreeEagleProposer)
     proposer.faults, proposer.proposed, proposer.copies = DraftFaults(), {}, None
+    proposer.hand_over = DraftHandOver(proposer)
     proposer.deferred = types.SimpleNamespace(forget=lambda req_ids: None)
     proposer.runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a", "b"]),
                                             tree_metrics=TreeMetrics(log_interval_s=None))

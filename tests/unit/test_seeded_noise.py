@@ -5,7 +5,7 @@ the request's generator, on 0.32.0's CPU a seed drawn from it for a fused
 Gumbel-max kernel) samples a plain step's rows; the runner seats each seeded
 request's generator on (seed, position) before every step, and tree steps draw
 each position with the same op on a generator seated the same way
-(``_seeded_draw``). Here a batch of plain steps through the installed vLLM's op
+(``seeded_draw``). Here a batch of plain steps through the installed vLLM's op
 must pick, row by row, what the tree rule picks for every position; a generator
 left as a stream (stock vLLM) does not.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_treespec.vllm_glue.tree_sampler import (_seeded_draw, plain_step_sampler,
-                                                  seat_position_generators)
+from vllm_treespec.vllm_glue.seeded_draws import (plain_step_sampler, seat_position_generators,
+                                                  seeded_draw)
 
 VOCAB = 257
 
@@ -43,7 +43,7 @@ def test_a_plain_step_draws_what_a_tree_step_draws_for_its_position():
     plain = plain_step_tokens(logits, k, p, seeds, positions, seat=True)
     op = plain_step_sampler(None)
     for b, seed in seeds.items():
-        tree = [_seeded_draw(op, logits[b], k[b], p[b], seed, pos) for pos in positions]
+        tree = [seeded_draw(op, logits[b], k[b], p[b], seed, pos) for pos in positions]
         assert [row[b] for row in plain] == tree
     assert len({tuple(row) for row in plain}) > 1  # the draws vary with the position
     # Negative control: a stream generator (stock vLLM) picks other tokens.
@@ -54,7 +54,7 @@ def test_a_plain_step_draws_what_a_tree_step_draws_for_its_position():
 def test_position_seeds_are_a_fixed_digest_not_pythons_hash_of_a_tuple():
     """A seeded request's text must not hang on CPython's tuple hash (its algorithm
     changed in 3.8 and may again); the old seeds were ``hash((seed, index))``."""
-    from vllm_treespec.vllm_glue.tree_sampler import position_seed
+    from vllm_treespec.vllm_glue.seeded_draws import position_seed
 
     pinned = {(0, 0): 7120306904099482837, (1234, 17): 2128133252485127613,
               (-5, 3): 289003891355039093}

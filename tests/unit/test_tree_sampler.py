@@ -130,16 +130,17 @@ def test_a_mixed_batch_walks_only_its_sampled_trees(monkeypatch):
 def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(monkeypatch):
     from vllm_treespec.vllm_glue import tree_sampler
     from vllm_treespec.bench.tree_reference import processed_node_logits
-    from vllm_treespec.vllm_glue.tree_sampler import _scaled, _seeded_draw, plain_step_sampler
+    from vllm_treespec.vllm_glue.seeded_draws import plain_step_sampler, seeded_draw
+    from vllm_treespec.vllm_glue.tree_sampler import _scaled
 
     drawn = []
-    real = tree_sampler._seeded_draws
+    real = tree_sampler.seeded_draws
 
     def counting(op, x, k, p, seeds, indices):
         drawn.extend(indices)
         return real(op, x, k, p, seeds, indices)
 
-    monkeypatch.setattr(tree_sampler, "_seeded_draws", counting)
+    monkeypatch.setattr(tree_sampler, "seeded_draws", counting)
     step, spec_md, logits = _step_and_logits(torch.float32)
     md = _sampled_md([0.7, 1.0])
     logits[:5] /= 4  # flat enough that the draws decide
@@ -159,7 +160,7 @@ def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(mon
     every = torch.full_like(tree.token, -1)
     for node in range(int(tree.node_counts[0]) + 1):
         x, k, p = _scaled(processed[0, node].unsqueeze(0), md, step.req_index[:1])
-        every[0, node] = _seeded_draw(op, x[0], None if k is None else k[0],
+        every[0, node] = seeded_draw(op, x[0], None if k is None else k[0],
                                       None if p is None else p[0], seed,
                                       11 + int(tree.depth[0, node]))
     assert acc.tokens[0].tolist() == greedy_accept(tree, every).tokens[0].tolist()
@@ -169,7 +170,8 @@ def test_seeded_trees_batched_draw_what_each_node_drawn_alone_draws():
     """Two seeded trees: each depth's draws go to vLLM's op in one call, and each
     tree accepts what the op, called for every node on its own, picks."""
     from vllm_treespec.bench.tree_reference import processed_node_logits
-    from vllm_treespec.vllm_glue.tree_sampler import _scaled, _seeded_draw, plain_step_sampler
+    from vllm_treespec.vllm_glue.seeded_draws import plain_step_sampler, seeded_draw
+    from vllm_treespec.vllm_glue.tree_sampler import _scaled
 
     step, spec_md, logits = _step_and_logits(torch.float32)
     md = _sampled_md([0.7, 1.0])
@@ -184,7 +186,7 @@ def test_seeded_trees_batched_draw_what_each_node_drawn_alone_draws():
             every = torch.full_like(tree.token, -1)
             for node in range(int(tree.node_counts[0]) + 1):
                 x, k, p = _scaled(processed[b, node].unsqueeze(0), md, step.req_index[b:b + 1])
-                every[0, node] = _seeded_draw(op, x[0], None if k is None else k[0],
+                every[0, node] = seeded_draw(op, x[0], None if k is None else k[0],
                                               None if p is None else p[0], seed,
                                               int(step.prefix_len[b]) + 1
                                               + int(tree.depth[0, node]))

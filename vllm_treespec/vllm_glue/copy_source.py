@@ -1,8 +1,8 @@
 """Copy branches in served trees: found per request, priced, grafted, learned.
 
 Every drafting step (not while the adaptive budget keeps speculation off:
-``proposer._copies_wanted`` says why), each request's history -- its prompt and
-output so far, through this step's new root -- is searched for the
+``DraftHandOver.copies_wanted`` says why), each request's history -- its prompt
+and output so far, through this step's new root -- is searched for the
 continuations of its last tokens (``tree.copy_drafts``). vLLM's runner writes a
 step's sampled tokens into ``input_batch.token_ids_cpu`` after the drafter ran
 (when the drafter takes the padded batch; before it otherwise), so the history

@@ -31,11 +31,11 @@ from vllm_treespec.observability import trace_dir_from
 from vllm_treespec.tree_fallback import validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
-from vllm_treespec.attention.chain_split import scratch_prefix
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.vllm_glue.copy_source import CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
+from vllm_treespec.vllm_glue.hand_over import DraftHandOver
 from vllm_treespec.vllm_glue.draft_levels import (LevelsRun, LevelStep, SequentialLevels,
                                                   StepTimes, observe_step)
 from vllm_treespec.vllm_glue.paged_drafts import PagedForwards
@@ -72,6 +72,7 @@ class TreeEagleProposer(EagleProposer):
         self.faults = DraftFaults()  # drafting steps that raised (see propose)
         self.copies = (CopySource(cfg.copy_branches, cfg.copy_length) if cfg.copy_branches
                        else None)
+        self.hand_over = DraftHandOver(self)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -137,7 +138,7 @@ class TreeEagleProposer(EagleProposer):
         metrics = getattr(self.runner, "tree_metrics", None)
         if metrics is not None:
             metrics.on_draft_fault()
-        return self._finish_step(self._hand_over(None), t0)
+        return self._finish_step(self.hand_over(None), t0)
 
     def _draft_trees(self, t0, num_speculative_tokens, target_token_ids, target_positions,
                      target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -176,7 +177,7 @@ class TreeEagleProposer(EagleProposer):
         caught_up = self._catch_up(cad, req_ids, first_rows, num_tokens, times)
         last_hidden, hidden = self._first_pass(cad, num_tokens, times)
         if depth == 0:  # off, not deferring (the reference): nothing to draft
-            return self._finish_step(self._hand_over(None, roots), t0)
+            return self._finish_step(self.hand_over(None, roots), t0)
 
         # --- the levels below the roots' children (draft_levels) -------------
         step = self._level_step(cad, batch_size, depth, num_rejected_tokens_gpu)
@@ -257,10 +258,10 @@ class TreeEagleProposer(EagleProposer):
         if self.tree_cfg.validate_invariants:
             trees = self.checked_trees(trees, step.prefix_len)
         times.check = time.perf_counter() - t
-        drafts = self._hand_over(trees, roots, step.prefix_len.tolist())
+        drafts = self.hand_over(trees, roots, step.prefix_len.tolist())
         if budget is not None:
             # What the step goes on to verify of the drafter's nodes: the
-            # selection's, less what the scratch cut took (_scratch_capacity).
+            # selection's, less what the scratch cut took (DraftHandOver.scratch_capacity).
             k = min(len(selected), len(drafts))
             verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
             observe_step(budget, step, run, times, first_tokens=first_tokens,
@@ -281,7 +282,7 @@ class TreeEagleProposer(EagleProposer):
             # deferred_drafts for the gaps this leaves).
             keep = max(1, self.deferred.max_tokens // (2 * len(req_ids)))
             self.dropped_tokens += self.deferred.trim(req_ids, keep)
-        return self._finish_step(self._hand_over(None, roots), t0)
+        return self._finish_step(self.hand_over(None, roots), t0)
 
     def _finish_step(self, drafts: list[list[int]], t0: float) -> list[list[int]]:
         self.last_draft_seconds = time.perf_counter() - t0
@@ -310,94 +311,6 @@ class TreeEagleProposer(EagleProposer):
             return max(1, sum(1 for i in range(1, self.topology.num_nodes + 1)
                               if i in set(self.topology.parent[1:])) + 1)
         return max(1, cfg.top_k * (cfg.depth - 1))
-
-    def _hand_over(self, trees: TreeBatch | None, roots: torch.Tensor | None = None,
-                   root_positions: list[int] | None = None) -> list[list[int]]:
-        """Draft token lists for the scheduler; remember each tree's shape.
-        ``roots``: each request's new root, to graft copy branches below;
-        ``root_positions``: where they sit (the trees' scratch blocks are counted
-        exactly with them, bounded without)."""
-        req_ids = self.runner.input_batch.req_ids
-        B = len(req_ids)
-        if trees is None and not self._copies_wanted(roots):
-            for r in req_ids:
-                self.proposed.pop(r, None)
-            return [[] for _ in req_ids]
-        if trees is None:
-            num = np.zeros(B, dtype=np.int64)
-        else:
-            tokens = trees.token.cpu().numpy()
-            parents = trees.parent.cpu().numpy()
-            probs = torch.exp(trees.score.float()).cpu().numpy()
-            num = trees.node_counts.cpu().numpy()
-        allowed = self.runner.tree_allowed_mask(B)
-        num = np.where(allowed, num[:B], 0)
-        copies = self._copy_plan(trees, probs if trees is not None else None, num, roots)
-        kappa = self.adaptive_budget.kappa if self.adaptive_budget is not None else 1.0
-        scratch = self._scratch_capacity(B)
-        out: list[list[int]] = []
-        for b, req_id in enumerate(req_ids):
-            n = int(num[b])
-            tree = (ProposedTree(tokens[b, 1: n + 1].tolist(), parents[b, 1: n + 1].tolist(),
-                                 probs[b, 1: n + 1].tolist()) if n else ProposedTree([], [], []))
-            if copies is not None and allowed[b] and copies[0][b]:
-                tree = ProposedTree(*self.copies.grafted(
-                    tree.tokens, tree.parents, tree.probs, copies[0][b], copies[1][b],
-                    self.tree_cfg.num_nodes, self.tree_cfg.max_children, kappa))
-            if scratch is not None and tree.tokens:
-                kept, blocks = scratch_prefix(tree.parents, self.block_size, scratch,
-                                              None if root_positions is None
-                                              else root_positions[b])
-                tree, scratch = tree.prefix(kept), scratch - blocks
-            out.append(tree.tokens)
-            if tree.tokens:
-                self.proposed[req_id] = tree
-            else:
-                self.proposed.pop(req_id, None)
-        return out
-
-    def _scratch_capacity(self, batch_size: int) -> int | None:
-        """Scratch blocks the next verify step's trees may take, or None for no bound.
-
-        A CPU runner verifies trees as chains of the native kernel in its spare
-        blocks (``cpu_attention``); a step whose trees need more falls back to the
-        torch tree attention for every tree row, which gathers each tree request's
-        whole context: cheap for one request, seconds a step for dozens at long
-        contexts. So where the adaptive budget sizes trees for speed and there is
-        more than one request, trees are cut (BFS prefixes, in batch order) to what
-        the spare blocks verify natively. A lone request's tree, and a fixed tree
-        (``adaptive`` false: every request gets the full tree), are never cut.
-        The bound is per hand-over: a request left out of the next step keeps its
-        tree for a later one, beside trees cut without it (that step may fall back)."""
-        spare = getattr(self.runner, "tree_spare_blocks", None)
-        return len(spare) if spare and batch_size > 1 and self.adaptive_budget is not None else None
-
-    def _copies_wanted(self, roots) -> bool:
-        """Whether this step searches for copies: they are on, the step has its
-        roots, and the adaptive budget did not keep speculation off. Off, it
-        predicts that plain steps win at this batch, and the steps it prices by
-        the forward's time cost more than that served under load, where the
-        processes around the forward share its cores. There, copies priced to
-        pay lost to plain decoding (benchmarks/RESULTS.md, "Hybrid trees (copy
-        branches)"), and the search itself costs every step."""
-        return self.copies is not None and roots is not None and self.last_depth > 0
-
-    def _copy_plan(self, trees, probs, num: np.ndarray, roots):
-        """(copies, tokens of each to verify) per request, or None
-        (``_copies_wanted``)."""
-        if not self._copies_wanted(roots):
-            return None
-        batch = self.runner.input_batch
-        found, mismatches = self.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
-                                             roots.tolist())
-        metrics = getattr(self.runner, "tree_metrics", None)
-        if metrics is not None:
-            metrics.on_fallback("copy_history_mismatches", mismatches)
-        kappa = self.adaptive_budget.kappa if self.adaptive_budget is not None else 1.0
-        gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
-                                for b, n in enumerate(num.tolist()) if n)
-        chains = trees is None or bool(trees.is_chain)
-        return found, self.copies.lengths(found, self.adaptive_budget, gain, int(num.sum()), chains)
 
     # ------------------------------------------------------------------ verify
     def tree_for(self, req_id: str, scheduled: list[int]) -> ProposedTree:

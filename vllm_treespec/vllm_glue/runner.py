@@ -39,8 +39,8 @@ from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-from vllm_treespec.vllm_glue.tree_sampler import (VerifyStep, sample_with_trees,
-                                                  seat_position_generators, tree_safe)
+from vllm_treespec.vllm_glue.seeded_draws import seat_position_generators
+from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
 
 
 logger = logging.getLogger("vllm.treespec")

@@ -30,7 +30,7 @@ integration tests have passed on it, see the README's support matrix):
     (``NEWER_STOCK_KEYS_TREES_SET``, refused in a tree config);
   - the CPU sampler draws a seeded row with a fused Gumbel-max kernel seeded
     from the request's generator, no longer with Exp(1) noise from it: tree
-    steps draw seeded positions with vLLM's own op (``tree_sampler._seeded_draws``);
+    steps draw seeded positions with vLLM's own op (``seeded_draws.seeded_draws``);
   - the V2 model runner is the default where Triton runs: tree engines fall
     back to V1 (``keep_v1_model_runner``);
   - EAGLE's drop of a prefix-cache hit's last block has a switch
