@@ -1,4 +1,4 @@
-"""Intel OpenMP for vLLM's CPU engine processes (``commands/cpu_openmp``)."""
+"""Intel OpenMP for vLLM's CPU engine processes (``vllm_treespec/cpu_openmp.py``)."""
 
 import os
 import platform
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from vllm_treespec.commands import cpu_openmp
-from vllm_treespec.commands.cpu_openmp import ENV, libiomp5, preload_intel_openmp
+from vllm_treespec import cpu_openmp
+from vllm_treespec.cpu_openmp import ENV, libiomp5, preload_intel_openmp
 
 X86_LINUX = sys.platform.startswith("linux") and platform.machine() == "x86_64"
 

@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         ap.error(f"--prompts: {len(PROMPTS)} short prompts (or --pangu240)")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the hook needs the worker here
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm_treespec.commands.cpu_openmp import libiomp5
+    from vllm_treespec.cpu_openmp import libiomp5
 
     if "libiomp5" not in os.environ.get("LD_PRELOAD", "") and libiomp5() is not None:
         print(f"[budget_trace] note: start with LD_PRELOAD={libiomp5()} to time what "

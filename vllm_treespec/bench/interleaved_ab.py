@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc of local functions
-    from vllm_treespec.commands.cpu_openmp import preload_intel_openmp
+    from vllm_treespec.cpu_openmp import preload_intel_openmp
 
     preload_intel_openmp()  # every engine alike, as `vllm-treespec serve` does
     from vllm import SamplingParams

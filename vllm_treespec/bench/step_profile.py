@@ -73,7 +73,7 @@ def profile_one(method: str, prompts: int, max_tokens: int, stats_path: Path,
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    from vllm_treespec.commands.cpu_openmp import preload_intel_openmp
+    from vllm_treespec.cpu_openmp import preload_intel_openmp
 
     preload_intel_openmp()  # as `vllm-treespec serve` does
     from vllm import SamplingParams

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
-from vllm_treespec.commands.cpu_openmp import ENV, preload_intel_openmp
+from vllm_treespec.cpu_openmp import ENV, preload_intel_openmp
 from vllm_treespec.config import TreeSpecConfigError
 
 # Distributions that provide `import vllm`, and the local version suffix vLLM uses.
