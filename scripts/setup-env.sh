@@ -16,7 +16,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_VLLM=0.32.0
-SUPPORTED_VLLM="0.27.1 0.32.0"  # as vllm_treespec/vllm_glue/versions.py SUPPORTED
+SUPPORTED_VLLM="0.27.1 0.30.0 0.32.0"  # as vllm_treespec/vllm_glue/versions.py SUPPORTED
 VLLM_RELEASE="${VLLM_TREESPEC_VLLM:-$DEFAULT_VLLM}"
 case " $SUPPORTED_VLLM " in
     *" $VLLM_RELEASE "*) ;;

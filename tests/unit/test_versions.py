@@ -134,7 +134,7 @@ def test_every_release_bridge_is_in_versions():
 def test_the_bridge_check_catches_a_release_comment_and_a_version_read(tmp_path):
     (tmp_path / "versions.py").write_text("# 0.32.0 only: allowed here\n")
     (tmp_path / "runner.py").write_text(
-        "import vllm\n# vLLM 0.27.1, 0.32.0: both, allowed\n"
+        "import vllm\n# vLLM " + ", ".join(versions.SUPPORTED) + ": every one, allowed\n"
         "x = 1  # vLLM 0.32.0 builds metadata for steps without drafts\n"
         "v = getattr(vllm, '__version__', '?')\nw = vllm.__version__\n")
     assert [f.split(": ", 1)[0] for f in release_bridges_outside_versions(tmp_path)] == [

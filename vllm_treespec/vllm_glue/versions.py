@@ -10,6 +10,8 @@ Releases (``SUPPORTED``; a release is listed once the greedy, T > 0 and HTTP
 integration tests have passed on it, see the README's support matrix):
 
 * **0.27.1**: the first one this glue was written for.
+* **0.30.0**: needs nothing of its own; each bridge below tells it apart by
+  what it has, not by its number (tested with ``scripts/test-release.sh``).
 * **0.32.0**: the default install. Against 0.27.1:
   - ``ModelConfig.uses_xdrope_dim`` is gone (XD-RoPE is read as M-RoPE:
     ``uses_mrope`` covers both);
@@ -45,7 +47,7 @@ import dataclasses
 from typing import Any, Callable
 
 DEFAULT = "0.32.0"
-SUPPORTED = ("0.27.1", "0.32.0")
+SUPPORTED = ("0.27.1", "0.30.0", "0.32.0")
 
 
 def installed_release() -> str:
