@@ -146,7 +146,7 @@ class TreeEagleProposer(EagleProposer):
                      num_rejected_tokens_gpu=None, slot_mappings=None):
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
-        depth = self._plan_depth(req_ids)
+        depth = self._plan_depth(req_ids, batch_size)
         roots = next_token_ids[:batch_size]
         if depth == 0 and self.defer_when_off and common_attn_metadata.max_query_len == 1:
             # Off, and every request decodes one token: a plain step would not
@@ -189,14 +189,14 @@ class TreeEagleProposer(EagleProposer):
         return self._selected_drafts(builder, step, run, roots.long(), times,
                                      first_tokens=num_tokens, caught_up=caught_up)
 
-    def _plan_depth(self, req_ids: list[str]) -> int:
+    def _plan_depth(self, req_ids: list[str], batch_size: int) -> int:
         """This step's drafting depth (0: no drafts): the adaptive budget's plan,
         else the configured depth."""
         self._batch_req_ids = req_ids
         budget = self.adaptive_budget
         if budget is not None and budget.catch_up_pending is None:
             budget.catch_up_pending = self._catch_up_pending
-        depth = budget.plan_depth(len(req_ids)) if budget is not None else self.tree_cfg.depth
+        depth = budget.plan_depth(batch_size) if budget is not None else self.tree_cfg.depth
         self.last_depth = depth
         return depth
 
