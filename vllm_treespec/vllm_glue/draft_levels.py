@@ -69,9 +69,9 @@ class StepTimes:
     check: float = 0.0     # validation (a debugging mode)
 
 
-def observe_step(budget, step: LevelStep, run: LevelsRun, times: StepTimes, *,
-                 first_tokens: int, caught_up: int, verified: float, branching: bool,
-                 unverified: int) -> None:
+def hand_to_budget(budget, step: LevelStep, run: LevelsRun, times: StepTimes, *,
+                   first_tokens: int, caught_up: int, verified: float, branching: bool,
+                   unverified: int) -> None:
     """Hand a drafting step's costs and selection to the adaptive budget: the
     one place its timings are read. ``verified``: the mean drafter nodes a
     request goes on to verify; ``unverified``: requests left without a tree."""

@@ -27,19 +27,16 @@ class PagedForwards:
     def __init__(self, drafter):
         self.drafter = drafter
 
-    def catch_up(self, deferred, cad, req_ids: list[str], step_start: list[int] | None) -> int:
-        """Forward the deferred drafter inputs of this batch's requests, batched
-        (passes of at most the drafter's token budget): they write the drafter
-        KV that the skipped first passes did not. Returns the tokens forwarded."""
+    def catch_up_pass(self, cad, batch) -> int:
+        """Forward one pass of deferred drafter inputs (``DeferredDrafts.take``):
+        they write the drafter KV that the skipped first passes did not.
+        Returns the tokens forwarded."""
         d = self.drafter
-        tokens = 0
-        for batch in deferred.take(req_ids, step_start, d.max_num_tokens):
-            rows = torch.tensor(batch.rows, dtype=torch.long, device=d.device)
-            self.forward(cad.block_table_tensor[rows], batch.query_lens, batch.seq_lens,
-                         batch.positions.to(d.device), batch.ids.to(d.device),
-                         batch.hidden.to(d.device))
-            tokens += sum(batch.query_lens)
-        return tokens
+        rows = torch.tensor(batch.rows, dtype=torch.long, device=d.device)
+        self.forward(cad.block_table_tensor[rows], batch.query_lens, batch.seq_lens,
+                     batch.positions.to(d.device), batch.ids.to(d.device),
+                     batch.hidden.to(d.device))
+        return sum(batch.query_lens)
 
     def forward(self, block_table: torch.Tensor, query_lens: list[int],
                        seq_lens: list[int], positions: torch.Tensor, input_ids: torch.Tensor,

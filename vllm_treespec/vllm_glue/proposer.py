@@ -37,7 +37,7 @@ from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.hand_over import DraftHandOver
 from vllm_treespec.vllm_glue.draft_levels import (LevelsRun, LevelStep, SequentialLevels,
-                                                  StepTimes, observe_step)
+                                                  StepTimes, hand_to_budget)
 from vllm_treespec.vllm_glue.paged_drafts import PagedForwards
 from vllm_treespec.vllm_glue.parallel_drafts import ParallelLevels
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
@@ -207,10 +207,12 @@ class TreeEagleProposer(EagleProposer):
         t = time.perf_counter()
         tokens = 0
         if len(self.deferred):
-            positions = self._get_positions(num_tokens)
-            tokens = self.paged.catch_up(self.deferred, cad, req_ids,
-                                         positions[first_rows].tolist())
-            self.catch_up_tokens += tokens
+            # Passes of at most the drafter's token budget, each counted as it ends.
+            start = self._get_positions(num_tokens)[first_rows].tolist()
+            for batch in self.deferred.take(req_ids, start, self.max_num_tokens):
+                done = self.paged.catch_up_pass(cad, batch)
+                tokens += done
+                self.catch_up_tokens += done
         times.catch_up = time.perf_counter() - t
         return tokens
 
@@ -264,9 +266,9 @@ class TreeEagleProposer(EagleProposer):
             # selection's, less what the scratch cut took (DraftHandOver.scratch_capacity).
             k = min(len(selected), len(drafts))
             verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
-            observe_step(budget, step, run, times, first_tokens=first_tokens,
-                         caught_up=caught_up, verified=float(verified.mean()) if k else 0.0,
-                         branching=not chain_only, unverified=int((selected == 0).sum()))
+            hand_to_budget(budget, step, run, times, first_tokens=first_tokens,
+                           caught_up=caught_up, verified=float(verified.mean()) if k else 0.0,
+                           branching=not chain_only, unverified=int((selected == 0).sum()))
         return self._finish_step(drafts, times.start)
 
     def _catch_up_pending(self) -> tuple[int, int]:

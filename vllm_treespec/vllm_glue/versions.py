@@ -155,7 +155,7 @@ class AscendPairing:
     cann: str
 
 
-# vLLM release -> the vllm-ascend it runs on. 0.32.0 has none yet: the hooks were
+# vLLM release -> the vllm-ascend it runs on. 0.30.0 and 0.32.0 have none yet: the hooks were
 # only mapped on vllm-ascend main of 2026-08-22 (which pairs with vLLM 0.27.1); a
 # newer vllm-ascend could not be read here (docs/ascend.md).
 ASCEND_PAIRINGS: dict[str, AscendPairing] = {
