@@ -12,6 +12,8 @@ integration tests have passed on it, see the README's support matrix):
 * **0.27.1**: the first one this glue was written for.
 * **0.30.0**: needs nothing of its own; each bridge below tells it apart by
   what it has, not by its number (tested with ``scripts/test-release.sh``).
+* **0.31.0**: the same; it pins transformers below 5.18, hence our lower bounds
+  (transformers 5.17, huggingface_hub 1.33: what pip installs beside it).
 * **0.32.0**: the default install. Against 0.27.1:
   - ``ModelConfig.uses_xdrope_dim`` is gone (XD-RoPE is read as M-RoPE:
     ``uses_mrope`` covers both);
@@ -47,7 +49,7 @@ import dataclasses
 from typing import Any, Callable
 
 DEFAULT = "0.32.0"
-SUPPORTED = ("0.27.1", "0.30.0", "0.32.0")
+SUPPORTED = ("0.27.1", "0.30.0", "0.31.0", "0.32.0")
 
 
 def installed_release() -> str:
@@ -155,7 +157,7 @@ class AscendPairing:
     cann: str
 
 
-# vLLM release -> the vllm-ascend it runs on. 0.30.0 and 0.32.0 have none yet: the hooks were
+# vLLM release -> the vllm-ascend it runs on. 0.30.0 to 0.32.0 have none yet: the hooks were
 # only mapped on vllm-ascend main of 2026-08-22 (which pairs with vLLM 0.27.1); a
 # newer vllm-ascend could not be read here (docs/ascend.md).
 ASCEND_PAIRINGS: dict[str, AscendPairing] = {
