@@ -149,17 +149,28 @@ class SequentialLevels:
         own = torch.eye(F, dtype=torch.bool, device=d.device).expand(B, F, F)
         side_mask = torch.cat([inherited, own], dim=2)
         positions = (step.prefix_len + (level.depth - 1)).clamp(max=d.max_model_len - 1)
-        md = DraftTreeLevelMetadata(
-            batch_size=B, width=F, side_offset=side_offset, side_capacity=step.side_capacity,
-            prefix_len=step.prefix_len, max_prefix_len=step.max_prefix,
-            block_table=step.block_table, block_size=d.block_size, side_mask=side_mask,
-            scratch=step.scratch)
         n = B * F
-        with set_forward_context({name: md for name in d._draft_attn_layer_names},
-                                 d.vllm_config, num_tokens=n,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
-            last_hidden, hidden = d.model(
-                input_ids=tokens.reshape(n).int(),
-                positions=positions.repeat_interleave(F),  # contiguous: indexed raw
-                hidden_states=h_in.reshape(n, -1))
+        last_hidden, hidden = side_buffer_forward(
+            d, step, F, side_offset, step.side_capacity, side_mask,
+            input_ids=tokens.reshape(n).int(),
+            positions=positions.repeat_interleave(F),  # contiguous: indexed raw
+            hidden_states=h_in.reshape(n, -1))
         return last_hidden, hidden, side_mask
+
+
+def side_buffer_forward(drafter, step: LevelStep, width: int, side_offset: int,
+                        side_capacity: int, side_mask: torch.Tensor, **inputs):
+    """One drafter forward of ``width`` nodes a request, attending to the paged
+    prefix and, by ``side_mask``, to the side buffer, where their K/V go
+    (columns ``side_offset ..``; ``draft_level``): a sequential tree level or
+    the parallel-drafting slots. ``inputs``: the drafter's input_ids,
+    positions, hidden_states."""
+    md = DraftTreeLevelMetadata(
+        batch_size=step.batch_size, width=width, side_offset=side_offset,
+        side_capacity=side_capacity, prefix_len=step.prefix_len, max_prefix_len=step.max_prefix,
+        block_table=step.block_table, block_size=drafter.block_size, side_mask=side_mask,
+        scratch=step.scratch)
+    with set_forward_context({name: md for name in drafter._draft_attn_layer_names},
+                             drafter.vllm_config, num_tokens=step.batch_size * width,
+                             cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
+        return drafter.model(**inputs)

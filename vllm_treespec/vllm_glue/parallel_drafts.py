@@ -23,11 +23,8 @@ import time
 from pathlib import Path
 
 import torch
-from vllm.config import CUDAGraphMode
-from vllm.forward_context import set_forward_context
 
-from vllm_treespec.attention import DraftTreeLevelMetadata
-from vllm_treespec.vllm_glue.draft_levels import LevelsRun, LevelStep
+from vllm_treespec.vllm_glue.draft_levels import LevelsRun, LevelStep, side_buffer_forward
 from vllm_treespec.vllm_glue.support import NOT_A_PARALLEL_HEAD, bad_drafter
 
 
@@ -82,16 +79,10 @@ class ParallelLevels:
         offsets = torch.arange(slots, device=d.device)
         positions = (step.prefix_len.unsqueeze(1) + offsets).clamp(max=d.max_model_len - 1)
         causal = torch.ones(slots, slots, dtype=torch.bool, device=d.device).tril()
-        md = DraftTreeLevelMetadata(
-            batch_size=B, width=slots, side_offset=0,
-            side_capacity=max(step.side_capacity, slots), prefix_len=step.prefix_len,
-            max_prefix_len=step.max_prefix, block_table=step.block_table,
-            block_size=d.block_size, side_mask=causal.expand(B, slots, slots).contiguous(),
-            scratch=step.scratch)
         ids = torch.full((n,), self.pard_token, dtype=torch.int32, device=d.device)
-        with set_forward_context({name: md for name in d._draft_attn_layer_names},
-                                 d.vllm_config, num_tokens=n,
-                                 cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
-            last_hidden, _ = d.model(input_ids=ids, positions=positions.reshape(n),
-                                     hidden_states=self.slot_state.expand(n, -1).contiguous())
+        last_hidden, _ = side_buffer_forward(
+            d, step, slots, 0, max(step.side_capacity, slots),
+            causal.expand(B, slots, slots).contiguous(), input_ids=ids,
+            positions=positions.reshape(n),
+            hidden_states=self.slot_state.expand(n, -1).contiguous())
         return d.draft_vocab_logprobs(last_hidden).view(B, slots, -1)
