@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -107,11 +108,13 @@ def test_an_unsupported_vllm_version_is_refused(target_dir, random_drafter, monk
     import vllm
 
     from vllm_treespec.config import TreeSpecConfigError
+    from vllm_treespec.vllm_glue.versions import SUPPORTED
 
-    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")  # older than any release we support
     monkeypatch.delenv("VLLM_TREESPEC_ALLOW_UNTESTED_VLLM", raising=False)
+    supported = re.escape(", ".join(SUPPORTED))
     with pytest.raises(TreeSpecConfigError,
-                       match=r"supports vLLM 0.27.1, 0.32.0; found vLLM '0.30.0'"):
+                       match=rf"supports vLLM {supported}; found vLLM '0.26.0'"):
         engine_config(target_dir, {"method": "eagle3_tree", "model": str(random_drafter)})
     # stock methods are not ours to refuse
     engine_config(target_dir, {"method": "eagle3", "model": str(random_drafter),
