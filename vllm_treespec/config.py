@@ -34,6 +34,9 @@ DRAFT_MODES = ("sequential", "parallel")
 DEPTH_WEIGHT_RANGE = (0.25, 4.0)
 COPY_BRANCHES_RANGE = (0, 8)
 COPY_LENGTH_RANGE = (1, 32)
+# Tokens the cross-request store holds at most (about half a kilobyte of host
+# memory a token: tree.shared_suffixes); 0 turns copies from other requests off.
+CROSS_REQUEST_TOKENS_RANGE = (0, 262144)
 # Copy branches are on unless a static tree is asked for (its topology is fixed);
 # a branch is at most COPY_LENGTH_DEFAULT tokens, and never more than the tree's
 # node budget.
@@ -100,6 +103,8 @@ _ALLOWED = {
     "depth_weight": "a number in [{}, {}]".format(*DEPTH_WEIGHT_RANGE),
     "copy_branches": "an integer in [{}, {}]".format(*COPY_BRANCHES_RANGE),
     "copy_length": "an integer in [{}, {}]".format(*COPY_LENGTH_RANGE),
+    "cross_request_tokens": "an integer in [{}, {}]".format(*CROSS_REQUEST_TOKENS_RANGE),
+    "cross_request_prompts": "true or false",
 }
 
 
@@ -153,6 +158,13 @@ class TreeSpecConfig(BaseModel):
     copy_length: tokens of a copy branch at most (the adaptive budget keeps
         the part whose live acceptance estimate pays for its verification).
         Default 8, or ``num_nodes`` if that is smaller.
+    cross_request_tokens: copies from other requests too: the outputs of
+        finished requests with the same ``cache_salt`` (none matches none), at
+        most this many tokens held, oldest out first; up to ``copy_branches``
+        more branches a request per step, priced by their own acceptance
+        estimate. 0 (the default) shares nothing across requests.
+    cross_request_prompts: file finished requests' prompts with their outputs
+        (default false: prompts are never shared).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -172,6 +184,9 @@ class TreeSpecConfig(BaseModel):
                                      le=COPY_BRANCHES_RANGE[1])
     copy_length: StrictInt = Field(COPY_LENGTH_DEFAULT, ge=COPY_LENGTH_RANGE[0],
                                    le=COPY_LENGTH_RANGE[1])
+    cross_request_tokens: StrictInt = Field(0, ge=CROSS_REQUEST_TOKENS_RANGE[0],
+                                            le=CROSS_REQUEST_TOKENS_RANGE[1])
+    cross_request_prompts: StrictBool = False
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.
@@ -216,6 +231,13 @@ class TreeSpecConfig(BaseModel):
         if self.choices is not None and self.copy_branches:
             raise _fail("copy_branches", self.copy_branches, "0 with 'choices' (a static "
                         "tree verifies its fixed topology only)")
+        if self.cross_request_tokens and not self.copy_branches:
+            raise _fail("cross_request_tokens", self.cross_request_tokens,
+                        "0 with copy_branches 0 (copies from other requests are copy "
+                        "branches)")
+        if self.cross_request_prompts and not self.cross_request_tokens:
+            raise _fail("cross_request_prompts", self.cross_request_prompts,
+                        "false with cross_request_tokens 0 (nothing is shared)")
         if self.choices is not None and self.depth_weight != 1.0:
             raise _fail("depth_weight", self.depth_weight, "1 with 'choices' (a static tree "
                         "verifies all its nodes; there is nothing to rank)")
@@ -260,8 +282,9 @@ class TreeSpecConfig(BaseModel):
     @property
     def max_children(self) -> int:
         """Upper bound on the children of any verified node (width of child
-        tables): the drafter's, and a child a copy branch."""
-        return self.draft_width + self.copy_branches
+        tables): the drafter's, and a child a copy branch (own history, and
+        other requests')."""
+        return self.draft_width + self.copy_branches * (1 + bool(self.cross_request_tokens))
 
     @property
     def tree_size(self) -> int:

@@ -2,8 +2,8 @@
 
 Two servers on 127.0.0.1, same flags: plain vLLM (reference answers) and
 eagle3_tree with the shipped drafter, a branching tree on every step and copy
-branches (hybrid trees: continuations copied from the request's own history,
-verified beside the drafter's nodes).
+branches (hybrid trees: continuations copied from the request's own history and
+from finished requests of its tenant, verified beside the drafter's nodes).
 Driven by the official `openai` client: chat and completions, streaming, n>1,
 stop strings, logprobs, concurrent requests, a client that disconnects
 mid-stream, and T > 0 samples whose distribution must be plain vLLM's.
@@ -93,7 +93,8 @@ def servers(plain_server, target_dir, tmp_path_factory):
     # go through multi-token tree steps (a random drafter accepts nothing, and
     # the adaptive budget would switch it off).
     spec = {"method": "eagle3_tree", "model": str(committed_drafter_dir()), "num_nodes": 12,
-            "depth": 4, "top_k": 4, "adaptive": False, "copy_branches": 2, "copy_length": 6}
+            "depth": 4, "top_k": 4, "adaptive": False, "copy_branches": 2, "copy_length": 6,
+            "cross_request_tokens": 8192}
     tree = start(target_dir, logs / "tree.log", spec)
     yield reference, tree
     tree.close()
@@ -251,8 +252,11 @@ def test_tree_metrics_on_prometheus_endpoint(servers):
     # A repetitive answer: its copy branches were accepted, and every accepted
     # draft is counted under exactly one source.
     assert by_source("copy") > 0, m
-    assert by_source("drafter") + by_source("copy") + by_source("both") == delta(
+    assert sum(map(by_source, ("drafter", "copy", "other_requests", "both"))) == delta(
         "vllm:spec_decode_num_accepted_tokens_total"), m
+    # the question was asked before (``collect``): its answer is in the store
+    assert delta("vllm_treespec:cross_request_hits_total") > 0, m
+    assert metric_sum(m, "vllm_treespec:cross_request_cached_tokens") > 0, m
 
     # Over one request that the engine finishes itself (length or EOS), vLLM's
     # scheduler counts every tree the worker verified, as a draft (the budget is
@@ -293,6 +297,28 @@ def test_tree_metrics_on_prometheus_endpoint(servers):
     while missing := [w for w in wanted if w not in tree.log_path.read_text()]:
         assert time.monotonic() < deadline, missing
         time.sleep(0.5)
+
+
+def test_copies_from_other_requests_stay_within_their_tenant(servers, plain_server):
+    """vLLM's ``cache_salt`` is the tenant: alice's second identical request
+    accepts copies of her first answer (greedy, identical to plain vLLM's), bob's
+    accepts none, counted by source on /metrics. Were the store shared across
+    tenants, bob's request would be alice's second (same text, same store): his
+    count is the check that fails without isolation, hers shows it can count."""
+    _, tree = servers
+    question = "Count from one to twenty in words, separated by commas."  # asked only here
+
+    def ask(salt):
+        before = tree.metrics()
+        text = chat(tree.client, question,
+                    extra_body={"cache_salt": salt}).choices[0].message.content
+        return text, accepted_by_source(before, tree.metrics(), "other_requests")
+
+    first, _ = ask("alice")
+    bob, leaked = ask("bob")
+    again, copied = ask("alice")
+    assert leaked == 0 and copied > 0, (leaked, copied)
+    assert first == bob == again == chat(plain_server.client, question).choices[0].message.content
 
 
 def test_worker_returns_free_heap_when_the_engine_idles(servers):
@@ -367,3 +393,5 @@ def test_hybrid_trees_sample_what_plain_vllm_samples_over_http(servers, plain_se
     m = tree.metrics()
     assert_homogeneous(plain, got, "served hybrid tree")
     assert accepted_by_source(before, m, "copy") + accepted_by_source(before, m, "both") > 0, m
+    # the draws before each request's are in the store: other requests' copies
+    assert accepted_by_source(before, m, "other_requests") > 0, m

@@ -193,12 +193,14 @@ def test_harness_detects_unnormalised_siblings(samples, target_dir, random_draft
 
 
 # Hybrid trees: a second turn that asks the model to repeat its first answer, so
-# the copy source proposes that answer (from the request's own prompt) beside the
-# shipped drafter's nodes, siblings from both sources under one node.
+# the copy source proposes that answer (from the request's own prompt, and from
+# earlier draws' outputs) beside the shipped drafter's nodes, siblings from every
+# source under one node.
 HYBRID_CHAT = [{"role": "user", "content": "Name one fruit and say one thing about it."},
                {"role": "assistant", "content": "Mango. It is sweet and juicy."},
                {"role": "user", "content": "Say that again, word for word."}]
-HYBRID_TREE = dict(TREE, copy_branches=2, copy_length=3)
+# Copies from other requests too: every draw before a request's is in the store.
+HYBRID_TREE = dict(TREE, copy_branches=2, copy_length=3, cross_request_tokens=4096)
 N_HYBRID = 500
 
 
@@ -227,7 +229,8 @@ def test_hybrid_trees_sample_what_plain_sampling_does(target_dir, hybrid_prompt,
                          "hybrid_tree", seed=8, speculative_config=dict(
                              HYBRID_TREE, model=str(committed_drafter_dir())))
     assert_homogeneous(hybrid_plain[0], tree[0], "hybrid tree")
-    assert metrics["copy_accepted"] + metrics["shared_accepted"] > 0, metrics
+    assert metrics["copy_accepted"] + metrics["both_accepted"] > 0, metrics
+    assert metrics["other_accepted"] > 0, metrics
     assert metrics["mean_accept_len"] > 1.3, metrics
 
 
@@ -240,5 +243,6 @@ def test_harness_detects_a_biased_rule_on_hybrid_trees(target_dir, hybrid_prompt
                            "hybrid_biased", seed=9, speculative_config=dict(
                                HYBRID_TREE, model=str(committed_drafter_dir())),
                            break_stochastic=True)
-    assert metrics["copy_accepted"] + metrics["shared_accepted"] > 0, metrics
+    assert metrics["copy_accepted"] + metrics["both_accepted"] > 0, metrics
+    assert metrics["other_accepted"] > 0, metrics
     assert homogeneity_pvalue(hybrid_plain[0], biased[0]) < 1e-6

@@ -141,7 +141,7 @@ def test_a_copy_displaces_unlikely_drafts_of_a_full_tree():
         tokens, parents, probs, [copy], [2], max_nodes=4, max_children=4)
     assert (got_tokens, got_parents) == ([10, 20, 30, 31], [0, 0, 0, 3])
     assert got_probs == [0.9, 0.1, 0.0, 0.0] and sources == [EAGLE, EAGLE, COPY, COPY]
-    assert branches == [(3, [3, 4])]
+    assert branches == [(3, [3, 4], COPY)]
     # The drafter's calibration scales its probabilities: at 3x, its 0.3 beats 0.25.
     got_tokens, *_ = source.grafted(tokens, parents, probs, [copy], [2], max_nodes=4,
                                     max_children=4, drafter_scale=3.0)
@@ -160,10 +160,89 @@ def test_no_copies_while_the_budget_keeps_speculation_off():
     proposer = SimpleNamespace(
         copies=CopySource(branches=2, length=4), adaptive_budget=None, last_depth=3,
         runner=SimpleNamespace(input_batch=SimpleNamespace(
-            token_ids_cpu=history, num_tokens_no_spec=np.array([history.shape[1]]))))
+            token_ids_cpu=history, num_tokens_no_spec=np.array([history.shape[1]]),
+            req_ids=["r"])))
     hand_over = DraftHandOver(proposer)
     plan = hand_over.copy_plan(None, None, np.zeros(1, np.int64), torch.tensor([7]))
     assert plan is not None and [c.tokens for c in plan[0][0]] == [(8, 9, 5, 6)]
     assert plan[1] == [[4]]
     proposer.last_depth = 0  # the adaptive budget planned this step off
     assert hand_over.copy_plan(None, None, np.zeros(1, np.int64), torch.tensor([7])) is None
+
+
+def _cross_request_source(file_prompts=False):
+    from vllm_treespec.tree.shared_suffixes import SharedSuffixes
+    from vllm_treespec.vllm_glue.copy_source import CopySource
+
+    return CopySource(branches=2, length=4, shared=SharedSuffixes(1000, length=4),
+                      file_prompts=file_prompts)
+
+
+def test_other_requests_copies_come_from_the_same_tenant_only():
+    """Finished outputs are filed under their request's cache_salt; a request
+    finds them only under the same salt (None matches None), a request whose
+    tenant the scheduler never named finds none and files none."""
+    from vllm_treespec.tree.copy_drafts import OTHER
+
+    source = _cross_request_source()
+    source.admit({"a1": "alice", "b1": "bob", "n1": None, "a2": "alice", "b2": "bob",
+                  "n2": None})
+    source.file_finished("a1", [1, 1], [5, 6, 7, 8, 9])
+    source.file_finished("n1", [1, 1], [5, 6, 30, 31])
+    source.file_finished("x1", [1, 1], [5, 6, 40, 41])  # never admitted: not filed
+    history = np.array([[3, 5, 6]] * 4)
+    found, _ = source.find(history, np.array([3] * 4), [6] * 4, ["a2", "b2", "n2", "x2"])
+    assert [[(c.tokens, c.source) for c in row] for row in found] == [
+        [((7, 8, 9), OTHER)], [], [((30, 31), OTHER)], []]
+    assert source.shared.tokens == 5 + 4 and "x1" not in source.tenants
+
+
+def test_the_tenant_check_fails_a_source_that_ignores_tenants():
+    """Negative control: filing everything under one tenant hands bob alice's text."""
+    source = _cross_request_source()
+    source.admit({"a1": "alice", "b2": "bob"})
+    source.tenants["a1"] = "bob"  # isolation removed: alice's output filed as bob's
+    source.file_finished("a1", None, [5, 6, 7, 8, 9])
+    found, _ = source.find(np.array([[3, 5, 6]]), np.array([3]), [6], ["b2"])
+    with pytest.raises(AssertionError):
+        assert found == [[]]
+
+
+def test_prompts_are_filed_only_when_asked():
+    for file_prompts, expect in ((False, []), (True, [(9, 9, 1, 2)])):
+        source = _cross_request_source(file_prompts)
+        source.admit({"a": "t", "b": "t"})
+        source.file_finished("a", [5, 6, 9, 9], [1, 2])
+        found, _ = source.find(np.array([[5, 6]]), np.array([2]), [6], ["b"])
+        assert [c.tokens for c in found[0]] == expect
+
+
+def test_other_requests_copies_are_priced_learned_and_counted_apart():
+    """An OTHER copy is grafted as OTHER nodes, a copy already among the
+    request's own is not offered twice, its acceptance is learned by its own
+    estimates, and accepted tokens are counted by source."""
+    from vllm_treespec.tree.copy_drafts import OTHER, CopyDraft
+    from vllm_treespec.tree.proposed import ProposedTree
+
+    source = _cross_request_source()
+    source.admit({"a": None, "c": None, "b": None})
+    source.file_finished("a", None, [9, 5, 6, 7, 8, 0])
+    source.file_finished("c", None, [5, 6, 11, 12])
+    # own history: "5 6" was followed by 7 8 ..., which the store also holds
+    history = np.array([[5, 6, 7, 8, 0, 5, 6]])
+    found, _ = source.find(history, np.array([7]), [6], ["b"])
+    assert [(c.tokens, c.source) for c in found[0]] == [
+        ((7, 8, 0, 5), COPY), ((11, 12), OTHER)]
+    tokens, parents, probs, sources, branches = source.grafted(
+        [7], [0], [0.5], found[0], [4, 2], max_nodes=8, max_children=4)
+    assert sources == [EAGLE | COPY, OTHER, COPY, OTHER, COPY, COPY]
+    tree = ProposedTree(tokens, parents, probs, sources, branches)
+    other_node = tokens.index(11) + 1
+    before = source.other_estimates.estimates(2, 2).copy()
+    own_before = source.estimates.estimates(2, 4).copy()
+    counts = source.observe([tree], [[other_node, other_node + 2]])
+    assert counts == (0, 2, 0)  # own history, other requests, both
+    assert (source.other_estimates.estimates(2, 2) > before).all()
+    assert (source.estimates.estimates(2, 4) < own_before).all()  # its own copy missed
+    assert source.estimates_of(CopyDraft((11, 12), 2, OTHER)).tolist() == \
+        source.other_estimates.estimates(2, 2).tolist()

@@ -221,18 +221,21 @@ def test_the_stat_logger_exports_the_fallback_counters():
             pass
 
     for attr in ("trees", "nodes", "emitted", "faults", "at_depth", "stage", "mean_len",
-                 "mean_size", "by_source"):
+                 "mean_size", "by_source", "lookups", "hits", "cached"):
         setattr(logger, attr, Counter(attr))
     logger.fallbacks = {key: Counter(key) for key in FALLBACKS}
     logger.labels = {}
     delta = dataclasses.asdict(Totals(trees=3, unmatched_trees=2, placeholder_drafts=5,
                                       copy_history_mismatches=7, emitted=13, copy_accepted=4,
-                                      shared_accepted=1))
+                                      other_accepted=2, both_accepted=1,
+                                      cross_request_lookups=6, cross_request_hits=3))
     logger._add(delta, delta)
     assert {k: counts[k] for k in FALLBACKS} == {
         "unmatched_trees": 2, "placeholder_drafts": 5, "copy_history_mismatches": 7}
-    # accepted drafts by source: 13 emitted - 3 bonus = 10 = 5 drafter + 4 copy + 1 both
+    # accepted drafts by source: 13 emitted - 3 bonus = 10 = 3 drafter + 4 copy
+    # + 2 other requests' + 1 both
     assert counts["by_source"] == 10
+    assert (counts["lookups"], counts["hits"]) == (6, 3)
 
 
 # --- drafting faults ---

@@ -5,10 +5,14 @@ tenants never see each other's text (with a control that fails without it)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from vllm_treespec.tree import shared_suffixes
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes
 
 tokens = st.lists(st.integers(0, 5), min_size=0, max_size=40)  # few symbols: many matches
@@ -25,10 +29,22 @@ def _followed(docs, history, cont, n) -> bool:
     return False
 
 
+def _colliding_keys(tokens, n):
+    """Every n-gram's key the same: each lookup meets every occurrence of its length."""
+    return np.zeros(len(tokens) - n + 1, dtype=np.uint64)
+
+
 @settings(max_examples=200, deadline=None)
-@given(outputs, tokens, st.integers(8, 120), st.integers(1, 4))
-def test_what_it_proposes_followed_the_match_in_the_tenants_own_outputs(outs, history,
-                                                                         bound, branches):
+@given(outputs, tokens, st.integers(8, 120), st.integers(1, 4), st.booleans())
+def test_what_it_proposes_followed_the_match_in_the_tenants_own_outputs(outs, history, bound,
+                                                                         branches, collide):
+    """Also where every key collides: a lookup checks the stored tokens."""
+    with mock.patch.object(shared_suffixes, "ngram_keys",
+                           _colliding_keys if collide else shared_suffixes.ngram_keys):
+        _check_proposals(outs, history, bound, branches)
+
+
+def _check_proposals(outs, history, bound, branches):
     store = SharedSuffixes(max_tokens=bound, length=6, per_key=4)
     for tenant, doc in outs:
         store.add(tenant, doc)
@@ -76,7 +92,7 @@ def test_the_oldest_output_goes_first_and_leaves_no_trace_in_the_index():
     assert store.find("t", [1, 2], 1)[0].tokens == (3, 4, 5, 6)
     store.add("t", [7, 8, 9, 10, 11])  # 6 + 5 > 10: the first goes
     assert store.tokens == 5 and store.find("t", [1, 2], 1) == []
-    assert all(d != 0 for seen in store._index["t"].values() for d, _ in seen)
+    assert all(e >> 32 != 0 for seen in store._index["t"].values() for e in seen)
     store.add("u", list(range(100, 130)))  # longer than the bound: its last 10 kept
     assert store.tokens == 10 and "t" not in store._index
     assert store.find("u", [120, 121], 1)[0].tokens == (122, 123, 124, 125, 126, 127, 128, 129)
@@ -120,6 +136,32 @@ def test_the_isolation_check_fails_a_store_that_shares_across_tenants():
     store.add("alice", [1, 2, 3, 4, 5])
     with pytest.raises(AssertionError):
         assert [d.tokens for d in store.find("bob", [1, 2], 2)] == []
+
+
+def test_the_collision_check_is_what_keeps_colliding_keys_honest():
+    """Negative control: without the check of the stored tokens, colliding keys
+    propose what followed another n-gram, and the property above catches it."""
+
+    class Unchecked(SharedSuffixes):
+        def _ranked(self, seen, ngram):
+            return super()._ranked(seen, np.asarray([], dtype=np.int64))
+
+    with mock.patch.object(shared_suffixes, "ngram_keys", _colliding_keys):
+        store = Unchecked(max_tokens=100, length=2)
+        store.add(None, [1, 2, 3, 9, 9])
+        found = store.find(None, [7, 8], 1)
+        assert found and not _followed([[1, 2, 3, 9, 9]], [7, 8], found[0].tokens,
+                                        found[0].match)
+
+
+def test_keys_tell_apart_ngrams_that_differ_in_one_place_or_in_length():
+    a = np.array([5, 6, 7, 8], dtype=np.int64)
+    keys = {int(shared_suffixes.ngram_keys(a, 4)[0]), int(shared_suffixes.ngram_keys(a[1:], 3)[0])}
+    for i in range(4):
+        b = a.copy()
+        b[i] += 1
+        keys.add(int(shared_suffixes.ngram_keys(b, 4)[0]))
+    assert len(keys) == 6
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=10, per_key=0),

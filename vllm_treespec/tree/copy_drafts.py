@@ -29,13 +29,17 @@ import dataclasses
 
 import numpy as np
 
-EAGLE, COPY, BOTH = 1, 2, 3  # a node's sources (bit flags)
+# A node's sources (bit flags): the drafter, a copy from the request's own
+# history, a copy from other requests' outputs (``shared_suffixes``).
+EAGLE, COPY, OTHER = 1, 2, 4
+BOTH = EAGLE | COPY
 
 
 @dataclasses.dataclass(frozen=True)
 class CopyDraft:
     tokens: tuple[int, ...]  # the continuation, first token after the root
     match: int               # how many history tokens before it matched
+    source: int = COPY       # COPY (own history) or OTHER (other requests)
 
 
 def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: int = 8,
@@ -77,7 +81,7 @@ class Grafted:
 
     tokens: list[int]
     parents: list[int]          # parent node of each node (0 = the root)
-    sources: list[int]          # EAGLE / COPY / BOTH flags of each node
+    sources: list[int]          # EAGLE / COPY / OTHER flags of each node
     branches: list[list[int]]   # per copy: the nodes (1..N) its kept tokens are
 
     def __iter__(self):  # (tokens, parents, sources), as a tree's lists
@@ -118,7 +122,7 @@ def graft(tokens: list[int], parents: list[int], copies: list[CopyDraft], max_no
                 depth.append(depth[node] + 1)
                 src.append(0)
                 child[(node, t)] = nxt
-            src[nxt] |= COPY
+            src[nxt] |= copy.source
             node = nxt
             path.append(nxt)
         branches.append(path)

@@ -14,9 +14,10 @@ class ProposedTree:
     parents: list[int]  # parent node index of each draft node (root = 0)
     probs: list[float]  # draft probability of reaching each node (exp of its score)
     # With copy branches (``copy_source``): each node's sources (copy_drafts
-    # flags) and, per copy, (its match length, the nodes its tokens are).
+    # flags) and, per copy, (its match length, the nodes its tokens are, its
+    # source: own history or other requests).
     sources: list[int] | None = None
-    branches: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    branches: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def chain(cls, tokens) -> "ProposedTree":
@@ -30,4 +31,5 @@ class ProposedTree:
         """The first ``n`` nodes (BFS order keeps any prefix a tree)."""
         return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n],
                             None if self.sources is None else self.sources[:n],
-                            [(m, [i for i in nodes if i <= n]) for m, nodes in self.branches])
+                            [(m, [i for i in nodes if i <= n], src)
+                             for m, nodes, src in self.branches])

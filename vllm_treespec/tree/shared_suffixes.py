@@ -14,7 +14,11 @@ request's own history gives (``copy_drafts``), grafted into the same tree.
   outputs out sooner (how much the store holds, not what it holds, is visible).
 * **Bounded memory.** At most ``max_tokens`` tokens in all, oldest output first
   out (an output longer than that keeps its last ``max_tokens``). The index
-  holds at most ``per_key`` occurrences of each n-gram, the most recent.
+  holds at most ``per_key`` occurrences of each n-gram, the most recent. Its
+  keys are 64-bit hashes of the n-grams and its occurrences packed integers
+  (a tuple key and a pair per occurrence took three times the memory); a
+  lookup checks every occurrence against the stored tokens, so a collision of
+  hashes never proposes a continuation that did not follow the match.
 * **Bounded host cost.** A lookup hashes ``max_ngram - min_ngram + 1`` n-grams
   and reads at most ``per_key`` occurrences of each, whatever the store's size.
 * **Ranking.** Among the continuations of the longest n-gram that matches,
@@ -37,6 +41,20 @@ from vllm_treespec.tree.copy_drafts import CopyDraft
 Tenant = Hashable  # a cache_salt, or None
 
 
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: a bijection of each step's value
+_ID_SHIFT = 32                                # occurrence = doc id << 32 | end
+
+
+def ngram_keys(tokens: np.ndarray, n: int) -> np.ndarray:
+    """A 64-bit key of every n-gram of ``tokens`` (window ``i`` ends at ``i + n - 1``)."""
+    t = tokens.astype(np.uint64)
+    keys = np.full(len(t) - n + 1, n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            keys = (keys * _MULTIPLIER) ^ t[k: len(t) - n + 1 + k]
+    return keys
+
+
 class SharedSuffixes:
     def __init__(self, max_tokens: int, max_ngram: int = 4, min_ngram: int = 2,
                  length: int = 8, per_key: int = 16):
@@ -48,7 +66,7 @@ class SharedSuffixes:
         self.min_ngram = min_ngram
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first
         self._docs: OrderedDict[int, tuple[Tenant, np.ndarray]] = OrderedDict()  # oldest first
-        self._index: dict[Tenant, dict[tuple[int, ...], list[tuple[int, int]]]] = {}
+        self._index: dict[Tenant, dict[int, list[int]]] = {}  # key -> occurrences
         self._next_id = 0
         self.tokens = 0            # tokens held
         self.lookups = self.hits = 0
@@ -67,7 +85,7 @@ class SharedSuffixes:
         index = self._index.setdefault(tenant, {})
         for key, end in self._keys(doc):
             seen = index.setdefault(key, [])
-            seen.append((doc_id, end))
+            seen.append(doc_id << _ID_SHIFT | end)
             if len(seen) > self.per_key:
                 del seen[0]
 
@@ -82,19 +100,18 @@ class SharedSuffixes:
         out: list[CopyDraft] = []
         if not index or max_branches < 1:
             return out
-        h = [int(t) for t in history[-self.ngrams.start:]]
+        h = np.asarray(history[-self.ngrams.start:], dtype=np.int64)
         for n in self.ngrams:
             if len(h) < n or len(out) >= max_branches:
                 continue
-            seen = index.get(tuple(h[-n:]), ())
+            seen = index.get(int(ngram_keys(h[-n:], n)[0]), ())
             self.examined += len(seen)
-            for cont in self._ranked(seen):
+            for cont in self._ranked(seen, h[-n:]):
                 if len(out) >= max_branches:
                     break
                 self._keep(out, CopyDraft(cont, n))
         self.hits += bool(out)
         return out
-
     @staticmethod
     def _keep(out: list[CopyDraft], draft: CopyDraft) -> None:
         """Keep ``draft`` unless it is a prefix of a kept one; it replaces a kept
@@ -108,11 +125,16 @@ class SharedSuffixes:
                 return
         out.append(draft)
 
-    def _ranked(self, seen: list[tuple[int, int]]) -> list[tuple[int, ...]]:
-        """The continuations after these occurrences, most frequent first (ties:
-        most recent), each counted with the longer ones it is a prefix of."""
-        conts = [tuple(int(t) for t in self._docs[d][1][end + 1: end + 1 + self.length])
-                 for d, end in reversed(seen)]              # most recent first
+    def _ranked(self, seen: list[int], ngram: np.ndarray) -> list[tuple[int, ...]]:
+        """The continuations after these occurrences of ``ngram`` (those whose
+        tokens are it: keys are hashes), most frequent first (ties: most
+        recent), each counted with the longer ones it is a prefix of."""
+        conts = []
+        for occurrence in reversed(seen):               # most recent first
+            doc = self._docs[occurrence >> _ID_SHIFT][1]
+            end = occurrence & ((1 << _ID_SHIFT) - 1)
+            if np.array_equal(doc[end + 1 - len(ngram): end + 1], ngram):
+                conts.append(tuple(doc[end + 1: end + 1 + self.length].tolist()))
         counts = Counter()
         for c in conts:
             for k in range(1, len(c) + 1):
@@ -121,10 +143,11 @@ class SharedSuffixes:
         return sorted(order, key=lambda c: (-counts[c[:1]], -counts[c], order[c]))
 
     def _keys(self, doc: np.ndarray):
-        """(n-gram, its last position) for every n-gram with a token after it."""
+        """(key, its n-gram's last position) for every n-gram with a token after it."""
         for n in self.ngrams:
-            for end in range(n - 1, len(doc) - 1):
-                yield tuple(int(t) for t in doc[end - n + 1: end + 1]), end
+            if len(doc) > n:
+                keys = ngram_keys(doc[:-1], n).tolist()
+                yield from zip(keys, range(n - 1, len(doc) - 1))
 
     def _evict(self) -> None:
         doc_id, (tenant, doc) = self._docs.popitem(last=False)
@@ -134,7 +157,7 @@ class SharedSuffixes:
             seen = index.get(key)
             if seen is None:
                 continue
-            seen[:] = [e for e in seen if e[0] != doc_id]
+            seen[:] = [e for e in seen if e >> _ID_SHIFT != doc_id]
             if not seen:
                 del index[key]
         if not index:

@@ -17,6 +17,12 @@ The verify step reports how far the target accepted along each branch, which
 is what the estimates learn from; the drafter's own estimates learn only from
 the nodes it drafted (``eagle_outcome``).
 
+With ``cross_request_tokens``, a request's last tokens are also looked up in
+the outputs of finished requests of its tenant (``tree.shared_suffixes``; the
+tenant is vLLM's ``cache_salt``, which the scheduler hands the runner with each
+new request: ``scheduling.attach_tenants``); those copies are grafted beside the
+request's own (``OTHER`` nodes) and priced by their own live estimate.
+
 The drafter's KV stays complete whatever source the accepted tokens came from:
 its next first pass runs over every accepted token (stock EAGLE's catch-up of
 an accepted chain), whether it drafted them or not.
@@ -24,24 +30,35 @@ an accepted chain), whether it drafted them or not.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from vllm_treespec.policy.copy_estimates import CopyAcceptance
 from vllm_treespec.tree.accept import Outcome
 from vllm_treespec.tree.copy_drafts import (
-    COPY, EAGLE, CopyDraft, accepted_along, copy_continuations, graft, prune)
+    COPY, EAGLE, OTHER, CopyDraft, accepted_along, copy_continuations, graft, prune)
+from vllm_treespec.tree.shared_suffixes import SharedSuffixes, Tenant
 
 # Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
 # the last HISTORY_WINDOW tokens: the search's cost per step is bounded
 # whatever the context's length.
 MIN_NGRAM, MAX_NGRAM = 2, 4
 HISTORY_WINDOW = 4096
+UNKNOWN = object()  # the tenant of a request the scheduler never named: sees no one's
 
 
 class CopySource:
-    def __init__(self, branches: int, length: int):
+    def __init__(self, branches: int, length: int, shared: SharedSuffixes | None = None,
+                 file_prompts: bool = False):
         self.branches, self.length = branches, length
         self.estimates = CopyAcceptance(MAX_NGRAM, length)
+        # Copies from other requests: the store, their own estimates, each
+        # running request's tenant, and whether prompts are filed with outputs.
+        self.shared = shared
+        self.other_estimates = CopyAcceptance(MAX_NGRAM, length)
+        self.file_prompts = file_prompts
+        self.tenants: dict[str, Tenant] = {}
         # This step's emitted tokens per batch row ([B, width], -1 padded) and
         # each row's token count when they were sampled (``sampled``).
         self._emitted: list[list[int]] = []
@@ -52,9 +69,24 @@ class CopySource:
         self._emitted = sampled_token_ids.tolist()
         self._counted = np.array(num_tokens[:len(self._emitted)], dtype=np.int64)
 
-    def find(self, token_ids: np.ndarray, num_tokens: np.ndarray,
-             roots: list[int]) -> tuple[list[list[CopyDraft]], int]:
-        """Copies per batch row (``roots``: each row's new root token), and how
+    def admit(self, tenants: Mapping[str, Tenant]) -> None:
+        """New requests' tenants (req_id -> cache_salt), as the scheduler named them."""
+        self.tenants.update(tenants)
+
+    def file_finished(self, req_id: str, prompt: Sequence[int] | None,
+                      output: Sequence[int]) -> None:
+        """A finished request's output (and prompt, with ``cross_request_prompts``)
+        into the store under its tenant; a request of unknown tenant files nothing."""
+        tenant = self.tenants.pop(req_id, UNKNOWN)
+        if self.shared is None or tenant is UNKNOWN:
+            return
+        text = [*(prompt if self.file_prompts and prompt is not None else ()), *output]
+        self.shared.add(tenant, text)
+
+    def find(self, token_ids: np.ndarray, num_tokens: np.ndarray, roots: list[int],
+             req_ids: Sequence[str] = ()) -> tuple[list[list[CopyDraft]], int]:
+        """Copies per batch row (``roots``: each row's new root token; ``req_ids``:
+        the rows' requests, whose tenants' outputs are searched too), and how
         many rows' histories did not end at their root (those get none)."""
         out, mismatches = [], 0
         for b, root in enumerate(roots):
@@ -67,10 +99,26 @@ class CopySource:
                 mismatches += len(history) > 0
                 out.append([])
                 continue
-            out.append(copy_continuations(history, MAX_NGRAM, MIN_NGRAM, self.length,
-                                          self.branches))
+            own = copy_continuations(history, MAX_NGRAM, MIN_NGRAM, self.length, self.branches)
+            tenant = self.tenants.get(req_ids[b], UNKNOWN) if b < len(req_ids) else UNKNOWN
+            out.append(own + self._others(tenant, history, own))
         self._emitted = []
         return out, mismatches
+
+    def _others(self, tenant, history: np.ndarray, own: list[CopyDraft]) -> list[CopyDraft]:
+        """Copies from the tenant's finished requests, less those the request's
+        own copies already verify (a prefix of one)."""
+        if self.shared is None or tenant is UNKNOWN:
+            return []
+        return [CopyDraft(d.tokens, d.match, OTHER)
+                for d in self.shared.find(tenant, history, self.branches)
+                if not any(k.tokens[:len(d.tokens)] == d.tokens for k in own)]
+
+    def estimates_of(self, draft: CopyDraft, tokens: int | None = None) -> np.ndarray:
+        """A copy's live acceptance estimates (of its first ``tokens``; default
+        all), by its source."""
+        est = self.other_estimates if draft.source == OTHER else self.estimates
+        return est.estimates(draft.match, len(draft.tokens) if tokens is None else tokens)
 
     def lengths(self, copies: list[list[CopyDraft]], policy, base_gain: float,
                 base_nodes: int, base_chains: bool) -> list[list[int]]:
@@ -86,7 +134,7 @@ class CopySource:
         "Hybrid trees (copy branches)")."""
         if policy is None:
             return [[len(c.tokens) for c in cs] for cs in copies]
-        q = [[self.estimates.estimates(c.match, len(c.tokens)) for c in cs] for cs in copies]
+        q = [[self.estimates_of(c) for c in cs] for cs in copies]
         every = [e for row in q for e in row]
         if not every:
             return [[] for _ in copies]
@@ -105,6 +153,7 @@ class CopySource:
                         for row in q]
         if not any(k for row in kept for k in row):
             self.estimates.forget()
+            self.other_estimates.forget()
         return kept
 
     def grafted(self, tokens: list[int], parents: list[int], probs: list[float],
@@ -123,29 +172,33 @@ class CopySource:
         if len(g.tokens) > max_nodes:  # the common case has room: nothing to rank
             values = [min(drafter_scale * p, 1.0) for p in new_probs]
             for c, nodes in zip(copies, g.branches):
-                for node, q in zip(nodes, self.estimates.estimates(c.match, len(nodes))):
+                for node, q in zip(nodes, self.estimates_of(c, len(nodes))):
                     values[node - 1] = max(values[node - 1], float(q))
             g, kept = prune(g, values, max_nodes)
             new_probs = [new_probs[i - 1] for i in kept]
         return (g.tokens, g.parents, new_probs, g.sources,
-                [(c.match, nodes) for c, nodes in zip(copies, g.branches)])
+                [(c.match, nodes, c.source) for c, nodes in zip(copies, g.branches)])
 
-    def observe(self, trees, paths: list[list[int]]) -> tuple[int, int]:
+    def observe(self, trees, paths: list[list[int]]) -> tuple[int, int, int]:
         """Verified trees (``ProposedTree``s) and their accepted paths (node ids
         from the first accepted draft): learn each branch's acceptance; returns
-        (tokens accepted from copy-only nodes, from nodes both sources proposed)."""
-        copy_only = both = 0
+        the tokens accepted from nodes only copies proposed, one of them from the
+        request's own history; from nodes only other requests' copies proposed;
+        and from nodes the drafter and a copy both proposed."""
+        own = other = both = 0
         for tree, path in zip(trees, paths):
             if not tree.branches:
                 continue
-            for match, nodes in tree.branches:
+            for match, nodes, source in tree.branches:
+                est = self.other_estimates if source == OTHER else self.estimates
                 if nodes:
-                    self.estimates.observe(match, len(nodes), accepted_along(path, nodes))
+                    est.observe(match, len(nodes), accepted_along(path, nodes))
             for node in path:
                 src = tree.sources[node - 1]
-                copy_only += src == COPY
-                both += src == EAGLE | COPY
-        return copy_only, both
+                own += src & (EAGLE | COPY) == COPY
+                other += src == OTHER
+                both += src & EAGLE and src != EAGLE
+        return own, other, both
 
 
 def eagle_outcome(outcome: Outcome, trees, paths: list[list[int]]) -> Outcome | None:

@@ -1,7 +1,8 @@
 """Handing a drafting step's trees to vLLM's scheduler.
 
 The trees become draft token lists (BFS order); on the way, copy branches from
-the request's own history (``copy_source``) are grafted below each root, and
+the request's own history and, with ``cross_request_tokens``, from its tenant's
+finished requests (``copy_source``) are grafted below each root, and
 where the CPU runner verifies trees in its spare blocks, trees are cut to what
 those blocks hold. Each request's tree shape is remembered in the drafter's
 ``proposed`` until the runner verifies it (``TreeEagleProposer.tree_for``).
@@ -102,11 +103,16 @@ class DraftHandOver:
         if not self.copies_wanted(roots):
             return None
         batch = d.runner.input_batch
+        store = d.copies.shared
+        before = (store.lookups, store.hits) if store is not None else (0, 0)
         found, mismatches = d.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
-                                          roots.tolist())
+                                          roots.tolist(), batch.req_ids)
         metrics = getattr(d.runner, "tree_metrics", None)
         if metrics is not None:
             metrics.on_fallback("copy_history_mismatches", mismatches)
+            if store is not None:
+                metrics.on_cross_request(store.lookups - before[0], store.hits - before[1],
+                                         store.tokens)
         kappa = d.adaptive_budget.kappa if d.adaptive_budget is not None else 1.0
         gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
                                 for b, n in enumerate(num.tolist()) if n)

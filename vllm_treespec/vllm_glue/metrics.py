@@ -37,10 +37,17 @@ class Totals:
     draft_faults: int = 0     # drafting steps that raised and fell back to no drafts
     unmatched_trees: int = 0  # scheduled drafts that were not their proposed tree: chains
     placeholder_drafts: int = 0  # vLLM's -1 placeholder drafts, verified as token 0
-    # Accepted drafts by source (copy branches on): nodes only a copy proposed,
-    # and nodes the drafter and a copy both proposed; the rest are the drafter's.
+    # Accepted drafts by source (copy branches on): nodes only copies proposed,
+    # one from the request's own history; nodes only other requests' copies
+    # proposed; nodes the drafter and a copy both proposed. The rest: the drafter's.
     copy_accepted: int = 0
-    shared_accepted: int = 0
+    other_accepted: int = 0
+    both_accepted: int = 0
+    # The cross-request store (cross_request_tokens): lookups, those that found
+    # a continuation, and the tokens it holds (a level, not a count).
+    cross_request_lookups: int = 0
+    cross_request_hits: int = 0
+    cross_request_tokens: int = 0
     copy_history_mismatches: int = 0  # requests whose history did not end at their root
     # Steps without trees (speculation off, prefill): what a plain server pays,
     # beside the tree steps' stages (counted with the next tree step).
@@ -68,7 +75,11 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "placeholder_drafts": t.get("placeholder_drafts", 0),
         "copy_history_mismatches": t.get("copy_history_mismatches", 0),
         "copy_accepted": t.get("copy_accepted", 0),
-        "shared_accepted": t.get("shared_accepted", 0),
+        "other_accepted": t.get("other_accepted", 0),
+        "both_accepted": t.get("both_accepted", 0),
+        "cross_request_lookups": t.get("cross_request_lookups", 0),
+        "cross_request_hit_rate": t.get("cross_request_hits", 0)
+        / max(t.get("cross_request_lookups", 0), 1),
         "mean_accept_len": t["emitted"] / trees,
         "mean_tree_size": t["nodes"] / trees,
         "per_depth_acceptance": [c / trees for c in t["accepted_at_depth"]],
@@ -93,9 +104,13 @@ def difference(now: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    copied = ("; accepted from copy branches %d, shared %d" % (s["copy_accepted"],
-                                                               s["shared_accepted"])
-              if s.get("copy_accepted") or s.get("shared_accepted") else "")
+    copied = ("; accepted from copy branches %d, other requests' copies %d, drafter and "
+              "copies both %d" % (s["copy_accepted"], s.get("other_accepted", 0),
+                                  s["both_accepted"])
+              if s.get("copy_accepted") or s.get("other_accepted") or s.get("both_accepted")
+              else "") + ("; cross-request lookups %d, hit rate %.2f" % (
+                  s["cross_request_lookups"], s["cross_request_hit_rate"])
+                  if s.get("cross_request_lookups") else "")
     return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
             "[%s]; per step: draft %.1f ms, prepare %.1f ms, verify forward %.1f ms, "
             "accept %.1f ms, commit %.1f ms" % (
@@ -246,11 +261,19 @@ class TreeMetrics:
                        "accept": round(1e3 * accept_s, 3), "commit": round(1e3 * commit_s, 3)}}
         self._maybe_log()
 
-    def on_copies(self, copy_only: int, shared: int) -> None:
-        """Accepted drafts by source this step (see ``copy_source``)."""
+    def on_copies(self, own: int, other: int, both: int) -> None:
+        """Accepted drafts by source this step (``CopySource.observe``)."""
         for t in self._both():
-            t.copy_accepted += copy_only
-            t.shared_accepted += shared
+            t.copy_accepted += own
+            t.other_accepted += other
+            t.both_accepted += both
+
+    def on_cross_request(self, lookups: int, hits: int, tokens: int) -> None:
+        """This step's lookups in the cross-request store, and the tokens it holds."""
+        for t in self._both():
+            t.cross_request_lookups += lookups
+            t.cross_request_hits += hits
+        self.total.cross_request_tokens = tokens
 
     def on_draft_fault(self) -> None:
         for t in self._both():

@@ -32,7 +32,8 @@ from vllm_treespec.tree_fallback import validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.vllm_glue import rank_agreement, support
-from vllm_treespec.vllm_glue.copy_source import CopySource
+from vllm_treespec.tree.shared_suffixes import SharedSuffixes
+from vllm_treespec.vllm_glue.copy_source import MAX_NGRAM, MIN_NGRAM, CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.hand_over import DraftHandOver
@@ -70,8 +71,12 @@ class TreeEagleProposer(EagleProposer):
         self.catch_up_tokens = 0
         self.dropped_tokens = 0  # deferred inputs dropped while off (bounded memory)
         self.faults = DraftFaults()  # drafting steps that raised (see propose)
-        self.copies = (CopySource(cfg.copy_branches, cfg.copy_length) if cfg.copy_branches
-                       else None)
+        self.copies = (CopySource(cfg.copy_branches, cfg.copy_length,
+                                  SharedSuffixes(cfg.cross_request_tokens, MAX_NGRAM, MIN_NGRAM,
+                                                 cfg.copy_length)
+                                  if cfg.cross_request_tokens else None,
+                                  cfg.cross_request_prompts)
+                       if cfg.copy_branches else None)
         self.hand_over = DraftHandOver(self)
 
     def load_model(self, *args, **kwargs) -> None:

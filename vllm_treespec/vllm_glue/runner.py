@@ -148,6 +148,9 @@ class TreeRunnerMixin(StepCostCalibration):
     # ------------------------------------------------------------- state
     def _update_states(self, scheduler_output):
         if hasattr(self, "drafter"):
+            copies = self.drafter.copies
+            if copies is not None and copies.shared is not None:
+                self._file_finished(copies, scheduler_output)
             self.drafter.forget(scheduler_output.finished_req_ids)
         out = super()._update_states(scheduler_output)
         if scheduler_output.finished_req_ids and not self.requests:
@@ -158,6 +161,17 @@ class TreeRunnerMixin(StepCostCalibration):
                             "to the OS in %.1f ms", trim.returned / 2**20,
                             trim.resident_before / 2**20, trim.seconds * 1e3)
         return out
+
+    def _file_finished(self, copies, scheduler_output) -> None:
+        """Cross-request copies: new requests' tenants (``scheduling.attach_tenants``)
+        noted, finished ones' text filed before vLLM drops their state."""
+        copies.admit(getattr(scheduler_output, "tree_tenants", None) or {})
+        for req_id in scheduler_output.finished_req_ids:
+            state = self.requests.get(req_id)
+            if state is None:
+                copies.tenants.pop(req_id, None)
+            else:
+                copies.file_finished(req_id, state.prompt_token_ids, state.output_token_ids)
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
@@ -422,8 +436,7 @@ class TreeRunnerMixin(StepCostCalibration):
         drafter's own nodes accepted (``copy_source.eagle_outcome``)."""
         copies = self.drafter.copies
         paths = [p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
-        copy_only, shared = copies.observe(step.proposed, paths)
-        self.tree_metrics.on_copies(copy_only, shared)
+        self.tree_metrics.on_copies(*copies.observe(step.proposed, paths))
         return eagle_outcome(outcome, step.proposed, paths)
 
     def _commit(self, step: VerifyStep, acc) -> None:

@@ -36,6 +36,11 @@ it; a tree engine keeps hits whole, as plain vLLM does (``versions.clear_block_d
 which says why). In the soak's mix (repeated prompts, preempted requests resumed
 from the cache, 128-token blocks) the drop made the tree server prefill about a
 tenth more prompt tokens than plain vLLM.
+
+With copies from other requests (``cross_request_tokens``) the runner needs each
+request's tenant, vLLM's ``cache_salt``, which the scheduler's request holds and
+the new-request data it sends the workers does not: ``attach_tenants`` adds
+``{req_id: cache_salt}`` of the step's new requests to its output.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def patch_scheduler() -> None:
             reserve_tree_lookahead(self, tree.depth)
             versions.clear_block_drop(self.kv_cache_manager,
                                       self.vllm_config.speculative_config)
+            if tree.cross_request_tokens and tree.copy_branches:
+                attach_tenants(self)
 
     __init__._treespec_wrapped = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__
@@ -86,3 +93,17 @@ def reserve_tree_lookahead(scheduler: Any, depth: int) -> bool:
         return False
     scheduler.num_lookahead_tokens = depth
     return True
+
+
+def attach_tenants(scheduler: Any) -> None:
+    """Every output of ``scheduler.schedule`` carries ``tree_tenants``: the
+    ``cache_salt`` (None without one) of each request it schedules as new."""
+    schedule = scheduler.schedule
+
+    def with_tenants(*args: Any, **kwargs: Any):
+        out = schedule(*args, **kwargs)
+        requests = (scheduler.requests.get(new.req_id) for new in out.scheduled_new_reqs)
+        out.tree_tenants = {r.request_id: r.cache_salt for r in requests if r is not None}
+        return out
+
+    scheduler.schedule = with_tenants

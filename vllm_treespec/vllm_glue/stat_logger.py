@@ -20,7 +20,12 @@ would see part of the steps). Series:
         placeholder_drafts (vLLM's -1 placeholders, verified as token 0),
         copy_history_mismatches (histories not ending at their root: no copies),
     vllm_treespec:accepted_tokens_total{source} (accepted drafts by who proposed them:
-        "drafter", "copy", or "both" -- copy branches, ``copy_branches``),
+        "drafter"; "copy", copies only, one from the request's own history;
+        "other_requests", copies from other requests only (``cross_request_tokens``);
+        "both", the drafter and a copy -- copy branches, ``copy_branches``),
+    vllm_treespec:cross_request_lookups_total, vllm_treespec:cross_request_hits_total
+        (lookups in the cross-request store, those that found a continuation),
+    vllm_treespec:cross_request_cached_tokens (tokens the store holds),
     vllm_treespec:mean_acceptance_length, vllm_treespec:mean_tree_size (since start)
 """
 
@@ -86,6 +91,12 @@ class TreeStatLogger(StatLoggerBase):
         self.by_source = series(C, "vllm_treespec:accepted_tokens",
                                 "Accepted draft tokens by the source that proposed them",
                                 ["source"])
+        self.lookups = series(C, "vllm_treespec:cross_request_lookups",
+                              "Lookups in the cross-request store of finished outputs")
+        self.hits = series(C, "vllm_treespec:cross_request_hits",
+                           "Cross-request lookups that found a continuation")
+        self.cached = series(G, "vllm_treespec:cross_request_cached_tokens",
+                             "Tokens the cross-request store holds")
         self.mean_len = series(G, "vllm_treespec:mean_acceptance_length",
                                "Mean acceptance length (accepted drafts + bonus) since start")
         self.mean_size = series(G, "vllm_treespec:mean_tree_size",
@@ -104,10 +115,15 @@ class TreeStatLogger(StatLoggerBase):
         self.faults.inc(delta["draft_faults"])
         for key, counter in self.fallbacks.items():
             counter.inc(delta.get(key, 0))
-        copied, shared = delta.get("copy_accepted", 0), delta.get("shared_accepted", 0)
-        drafted = delta["emitted"] - delta["trees"] - copied - shared
-        for source, n in (("drafter", drafted), ("copy", copied), ("both", shared)):
+        by_source = {"copy": delta.get("copy_accepted", 0),
+                     "other_requests": delta.get("other_accepted", 0),
+                     "both": delta.get("both_accepted", 0)}
+        by_source["drafter"] = delta["emitted"] - delta["trees"] - sum(by_source.values())
+        for source, n in by_source.items():
             self.by_source.labels(**self.labels, source=source).inc(max(n, 0))
+        self.lookups.inc(delta.get("cross_request_lookups", 0))
+        self.hits.inc(delta.get("cross_request_hits", 0))
+        self.cached.set(total.get("cross_request_tokens", 0))
         for d, c in enumerate(delta["accepted_at_depth"]):
             self.at_depth.labels(**self.labels, depth=str(d + 1)).inc(c)
         for stage, key in (("draft", "draft_s"), ("prepare", "prepare_s"),
