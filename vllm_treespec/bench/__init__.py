@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_treespec.bench import pangu240, report
+from vllm_treespec.bench import pangu240, repetitive, report
 from vllm_treespec.bench.driver import Driver, TurnResult
 from vllm_treespec.bench.server import Server
 
@@ -77,7 +77,9 @@ def split_methods(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-treespec bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--suite", default="pangu240", choices=["pangu240"])
+    p.add_argument("--suite", default="pangu240", choices=["pangu240", *repetitive.SUITES],
+                   help="pangu240, or a suite whose requests repeat each other "
+                        "(structured, code_workflow: bench/repetitive.py)")
     p.add_argument("--limit", type=int, default=None, help="first N turns (interleaved mix)")
     p.add_argument("--methods", default="none,eagle3,eagle3_tree")
     p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16,32,64")
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_args = shlex.split(args.serve_args)
     if "--max-num-seqs" not in serve_args:
         serve_args += ["--max-num-seqs", str(max(concurrency))]
-    turns = pangu240.build_turns(args.limit)
+    turns = (pangu240.build_turns(args.limit) if args.suite == "pangu240"
+             else repetitive.SUITES[args.suite](args.limit))
     dataset_path = out / "dataset.jsonl"
     log = lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True)  # noqa: E731
 

