@@ -12,6 +12,7 @@ import torch
 
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import runner_class_swapped
+from vllm_treespec.vllm_glue.verify_inputs import make_verify_step
 
 
 class _StockRunner:
@@ -105,7 +106,7 @@ def _runner(rows: list[tuple[str, list[int], int, int]], proposed: dict, validat
     from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
 
     class Runner(TreeRunnerMixin):
-        def __init__(self):  # the attributes _make_verify_step reads, nothing of vLLM's
+        def __init__(self):  # the attributes make_verify_step reads, nothing of vLLM's
             pass
 
     runner = Runner()
@@ -142,7 +143,7 @@ def test_the_root_is_the_token_before_the_drafts_when_a_chunk_carries_more():
     runner, schedule, spec_md = _runner(
         [("a", [7, 11, 12], 4, [11, 12]), ("b", [41, 42, 43, 21, 22], 10, [21, 22])],
         {"a": ProposedTree([11, 12], [0, 1], [0.5, 0.25]), "b": branch})
-    step = runner._make_verify_step(schedule, spec_md)
+    step = make_verify_step(runner, schedule, spec_md)
     assert step.token_start.tolist() == [0, 5] and step.prefix_len.tolist() == [4, 12]
     assert step.tree.token[:, 0].tolist() == [7, 43]
     assert step.tree.parent[1].tolist() == [0, 0, 0]  # b's tree kept, not a chain
@@ -163,7 +164,7 @@ def test_a_tree_wider_than_max_children_never_collides_in_the_child_table(valida
         [("a", [7, 11, 12, 13], 4, [11, 12, 13])],
         {"a": ProposedTree([11, 12, 13], [0, 0, 0], [0.3, 0.2, 0.1])},
         validate=validate, trace_dir=str(tmp_path))
-    step = runner._make_verify_step(schedule, spec_md)
+    step = make_verify_step(runner, schedule, spec_md)
     dumps = list(tmp_path.glob("treespec-failure-*.json"))
     if validate:
         assert step.tree.parent.tolist() == [[0, 0, 1, 2]]
@@ -185,7 +186,7 @@ def test_drafts_verified_as_chains_are_counted_and_warned_of_once(warnings):
     proposed = {"a": ProposedTree([11, 12], [0, 0], [0.5, 0.25]),
                 "d": ProposedTree([30, 32], [0, 0], [0.5, 0.25])}
     runner, schedule, spec_md = _runner(rows, proposed)
-    step = runner._make_verify_step(schedule, spec_md)
+    step = make_verify_step(runner, schedule, spec_md)
     assert step.tree.parent.tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 1]]
     assert step.tree.token[1].tolist() == [8, 0, 0] and runner.input_ids.gpu[4:6].tolist() == [0, 0]
     total = runner.tree_metrics.total
@@ -194,7 +195,7 @@ def test_drafts_verified_as_chains_are_counted_and_warned_of_once(warnings):
     metrics = runner.tree_metrics
     runner, schedule, spec_md = _runner(rows, proposed)  # the next step, same counters
     runner.tree_metrics = metrics
-    runner._make_verify_step(schedule, spec_md)
+    make_verify_step(runner, schedule, spec_md)
     assert (metrics.total.placeholder_drafts, metrics.total.unmatched_trees) == (4, 2)
     assert len(warnings) == 2  # once per kind
 

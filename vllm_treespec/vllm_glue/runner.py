@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 
 import numpy as np
 import torch
 
 from vllm_treespec.policy import AdaptiveBudget
-from vllm_treespec.tree import Outcome, TreeBatch, apply_compaction, tree_mask
+from vllm_treespec.tree import Outcome, apply_compaction, tree_mask
 from vllm_treespec.attention import PagedTreeAttentionMetadata, TreeVerifyRows
-from vllm_treespec.observability import trace_dir_from
-from vllm_treespec.tree_fallback import validated
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.copy_source import eagle_outcome
@@ -36,11 +33,11 @@ from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support, versions
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
-from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.seeded_draws import seat_position_generators
 from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
+from vllm_treespec.vllm_glue.verify_inputs import make_verify_step
 
 
 logger = logging.getLogger("vllm.treespec")
@@ -189,109 +186,9 @@ class TreeRunnerMixin(StepCostCalibration):
         self._verify = None
         if spec_md is not None and scheduler_output.scheduled_spec_decode_tokens:
             t0 = time.perf_counter()
-            self._verify = self._make_verify_step(scheduler_output, spec_md)
+            self._verify = make_verify_step(self, scheduler_output, spec_md)
             self._verify.prepare_s = time.perf_counter() - t0
         return prepared
-
-    def _make_verify_step(self, scheduler_output, spec_md) -> VerifyStep:
-        num_reqs = self.input_batch.num_reqs
-        index = self.input_batch.req_id_to_index
-        scheduled = sorted((index[r], r, d) for r, d in
-                           scheduler_output.scheduled_spec_decode_tokens.items() if d)
-        # The scheduler's drafts are rank 0's. A request whose drafts another rank
-        # did not propose is verified as a chain on every rank (rank_agreement).
-        as_chain = rank_agreement.any_rank_each(
-            [not self.drafter.proposed_here(r, d) for _, r, d in scheduled])
-        trees = [ProposedTree.chain(d) if chain else self.drafter.tree_for(r, d)
-                 for (_, r, d), chain in zip(scheduled, as_chain)]
-        req_index = np.array([i for i, _, _ in scheduled], dtype=np.int64)
-        # The root is the token just before the drafts, which vLLM schedules at the
-        # end of the request's chunk; the chunk may begin with tokens it had not
-        # computed yet (the rest of a prompt), so the root's place is counted from
-        # the chunk's end, not taken to be its start.
-        chunk_start = self.query_start_loc.np[req_index].astype(np.int64)
-        token_start = (self.query_start_loc.np[req_index + 1].astype(np.int64)
-                       - np.array([len(d) + 1 for _, _, d in scheduled], dtype=np.int64))
-        padded = self._replace_placeholder_drafts(trees, token_start)
-        self.tree_metrics.on_fallback("unmatched_trees", sum(
-            chain and i not in padded for i, chain in enumerate(as_chain)))
-        roots = self.input_ids.gpu[torch.from_numpy(token_start).to(self.device)].tolist()
-        prefix = (self.input_batch.num_computed_tokens_cpu[req_index].astype(np.int64)
-                  + token_start - chunk_start)  # the root's position
-        tree = self._tree_batch(roots, trees, req_index, prefix)
-        num_draft = np.asarray(spec_md.num_draft_tokens, dtype=np.int64)
-        cu_sampled = np.cumsum(num_draft + 1)
-        logit_start = cu_sampled[req_index] - (num_draft[req_index] + 1)
-        dev = self.device
-        step = VerifyStep(req_index=torch.from_numpy(req_index).to(dev), tree=tree,
-                          prefix_len=torch.from_numpy(prefix).to(dev),
-                          token_start=torch.from_numpy(token_start).to(dev),
-                          logit_start=torch.from_numpy(logit_start).to(dev),
-                          num_reqs=num_reqs, draft_probs=[t.probs for t in trees],
-                          proposed=trees,
-                          depth=getattr(self.drafter, "last_depth", tree.max_depth))
-        if not tree.is_chain:  # a chain's depths are its linear positions already
-            # Depth-based rotary positions; the slot mapping above stays linear.
-            flat = step.token_start.unsqueeze(1) + tree.node_index
-            pos = step.prefix_len.unsqueeze(1) + tree.depth
-            self.positions[flat[tree.valid]] = pos[tree.valid]
-        return step
-
-    def _tree_batch(self, roots: list[int], trees: list[ProposedTree], req_index: np.ndarray,
-                    prefix: np.ndarray) -> TreeBatch:
-        """The scheduled trees below their roots, one row a request. With
-        ``validate_invariants`` a malformed one (a node with more children than
-        the configuration's ``max_children`` included) is dumped and verified as a
-        chain of the same drafts instead (always correct). Without, the child
-        tables are made as wide as the widest tree (no builder exceeds the
-        configuration's bound; the tests' oracle trees do)."""
-        bound = max(self.tree_cfg.max_children, 1)
-        validate = self.tree_cfg.validate_invariants
-
-        def build():
-            widest = max(max(Counter(t.parents).values(), default=1) for t in trees)
-            return TreeBatch.from_parents(
-                [[r] + t.tokens for r, t in zip(roots, trees)], [[0] + t.parents for t in trees],
-                tree_size=1 + max(len(t.tokens) for t in trees),
-                max_children=bound if validate else max(bound, widest), device=self.device)
-
-        def as_chain(b):  # a chain of in-vocabulary drafts is always valid
-            trees[b] = ProposedTree.chain(trees[b].tokens)
-
-        def lists():
-            return [{"token": [r] + t.tokens, "parent": [0] + t.parents}
-                    for r, t in zip(roots, trees)]
-
-        req_ids = [self.input_batch.req_ids[i] for i in req_index]
-        return validated(build, self.input_batch.vocab_size, as_chain, "verify", req_ids,
-                         prefix, trace_dir_from(self.tree_cfg.trace_dir), check=validate,
-                         lists=lists)
-
-    def _replace_placeholder_drafts(self, trees: list[ProposedTree],
-                                    token_start: np.ndarray) -> set[int]:
-        """vLLM (0.27.1; 0.32.0 more often) pads a request that joins a decode batch
-        with one token to schedule (a one-token prompt, or a resumed request whose
-        prefix is cached) to the batch's draft count with -1 placeholder drafts
-        (uniform shapes for graphs). -1 is not a token: its input row would index
-        the embedding with -1 and its acceptance would read the last vocabulary
-        entry's probability.
-        Such drafts are verified as a chain of token 0 instead, in the tree and in
-        the input row. That is lossless: every draft is verified as a
-        deterministic proposal, whichever token it is. Counted (``placeholder_drafts``);
-        returns the trees that had any."""
-        vocab = self.input_batch.vocab_size
-        rows, padded = [], set()
-        for i, tree in enumerate(trees):
-            bad = [j for j, t in enumerate(tree.tokens) if not 0 <= t < vocab]
-            if bad:
-                trees[i] = ProposedTree.chain([0 if j in bad else t
-                                               for j, t in enumerate(tree.tokens)])
-                rows += [int(token_start[i]) + 1 + j for j in bad]
-                padded.add(i)
-        if rows:
-            self.input_ids.gpu[torch.tensor(rows, device=self.device)] = 0
-        self.tree_metrics.on_fallback("placeholder_drafts", len(rows))
-        return padded
 
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, spec_cad = super()._build_attention_metadata(*args, **kwargs)

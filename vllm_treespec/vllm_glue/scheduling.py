@@ -28,7 +28,7 @@ per-batch-size draft count (``dynamic_sd_lookup``, read in exactly two places:
 that padding, and the draft count it hands the worker). A tree engine's
 scheduler gets a lookup that says ``num_spec_tokens`` at every batch size, so
 the count the worker sees is unchanged and the padding is off. The runner still
-replaces any placeholder it meets (``TreeRunnerMixin._replace_placeholder_drafts``)
+replaces any placeholder it meets (``verify_inputs.replace_placeholder_drafts``)
 and counts it (``placeholder_drafts``), so a vLLM that pads some other way shows.
 
 Stock EAGLE also drops the last block of every prefix-cache hit and recomputes
