@@ -55,10 +55,12 @@ def parse_method(text: str, args) -> tuple[str, dict | None]:
     if name == "ngram":  # vLLM's prompt lookup: n-grams of 4 down to 2, as our copy source
         return text, {"method": "ngram", "num_speculative_tokens": int(kv.pop("k", 4)),
                       "prompt_lookup_max": 4, "prompt_lookup_min": 2, **kv}
+    if name == "suffix":  # vLLM's SuffixDecoding: needs arctic-inference (docs/benchmarks.md)
+        return text, {"method": "suffix", **kv}
     raise SystemExit(f"bench: unknown method {name!r} (one of: {', '.join(METHODS)})")
 
 
-METHODS = ("none", "eagle3", "eagle3_tree", "ngram")
+METHODS = ("none", "eagle3", "eagle3_tree", "ngram", "suffix")
 
 
 def split_methods(text: str) -> list[str]:
