@@ -246,3 +246,43 @@ def test_other_requests_copies_are_priced_learned_and_counted_apart():
     assert (source.estimates.estimates(2, 4) < own_before).all()  # its own copy missed
     assert source.estimates_of(CopyDraft((11, 12), 2, OTHER)).tolist() == \
         source.other_estimates.estimates(2, 2).tolist()
+
+
+def test_the_scheduler_names_each_new_requests_tenant():
+    """attach_tenants: every schedule output carries {req_id: cache_salt} of its
+    new requests (None without a salt); a request the scheduler no longer holds
+    is left out, so the runner treats it as of unknown tenant."""
+    from types import SimpleNamespace
+
+    from vllm_treespec.vllm_glue.scheduling import attach_tenants
+
+    new = [SimpleNamespace(req_id=r) for r in ("a", "b", "gone")]
+    scheduler = SimpleNamespace(
+        requests={"a": SimpleNamespace(request_id="a", cache_salt="alice"),
+                  "b": SimpleNamespace(request_id="b", cache_salt=None)},
+        schedule=lambda: SimpleNamespace(scheduled_new_reqs=new))
+    attach_tenants(scheduler)
+    assert scheduler.schedule().tree_tenants == {"a": "alice", "b": None}
+
+
+def test_the_runner_files_finished_requests_under_their_tenant():
+    """The runner notes new requests' tenants and files a finished request's
+    output before vLLM drops its state; one it no longer holds files nothing."""
+    from types import SimpleNamespace
+
+    from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
+
+    source = _cross_request_source()
+    runner = SimpleNamespace(requests={
+        "a": SimpleNamespace(prompt_token_ids=[1, 2], output_token_ids=[5, 6, 7, 8])})
+    TreeRunnerMixin._file_finished(runner, source, SimpleNamespace(
+        tree_tenants={"a": "alice", "b": "bob"}, finished_req_ids=set()))
+    assert source.tenants == {"a": "alice", "b": "bob"}
+    TreeRunnerMixin._file_finished(runner, source, SimpleNamespace(
+        tree_tenants={}, finished_req_ids={"a", "b"}))
+    assert source.tenants == {} and source.shared.tokens == 4
+    found, _ = source.find(np.array([[5, 6]]), np.array([2]), [6], ["c"])
+    assert found == [[]]  # "c": never named by the scheduler
+    source.admit({"c": "alice"})
+    found, _ = source.find(np.array([[5, 6]]), np.array([2]), [6], ["c"])
+    assert [d.tokens for d in found[0]] == [(7, 8)]

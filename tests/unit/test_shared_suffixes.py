@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,9 +28,9 @@ def _followed(docs, history, cont, n) -> bool:
     return False
 
 
-def _colliding_keys(tokens, n):
-    """Every n-gram's key the same: each lookup meets every occurrence of its length."""
-    return np.zeros(len(tokens) - n + 1, dtype=np.uint64)
+def _colliding_keys(ngram):
+    """Every n-gram's key the same: each lookup meets every occurrence."""
+    return 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -39,8 +38,8 @@ def _colliding_keys(tokens, n):
 def test_what_it_proposes_followed_the_match_in_the_tenants_own_outputs(outs, history, bound,
                                                                          branches, collide):
     """Also where every key collides: a lookup checks the stored tokens."""
-    with mock.patch.object(shared_suffixes, "ngram_keys",
-                           _colliding_keys if collide else shared_suffixes.ngram_keys):
+    with mock.patch.object(shared_suffixes, "ngram_key",
+                           _colliding_keys if collide else shared_suffixes.ngram_key):
         _check_proposals(outs, history, bound, branches)
 
 
@@ -144,9 +143,9 @@ def test_the_collision_check_is_what_keeps_colliding_keys_honest():
 
     class Unchecked(SharedSuffixes):
         def _ranked(self, seen, ngram):
-            return super()._ranked(seen, np.asarray([], dtype=np.int64))
+            return super()._ranked(seen, ())
 
-    with mock.patch.object(shared_suffixes, "ngram_keys", _colliding_keys):
+    with mock.patch.object(shared_suffixes, "ngram_key", _colliding_keys):
         store = Unchecked(max_tokens=100, length=2)
         store.add(None, [1, 2, 3, 9, 9])
         found = store.find(None, [7, 8], 1)
@@ -154,14 +153,17 @@ def test_the_collision_check_is_what_keeps_colliding_keys_honest():
                                         found[0].match)
 
 
-def test_keys_tell_apart_ngrams_that_differ_in_one_place_or_in_length():
-    a = np.array([5, 6, 7, 8], dtype=np.int64)
-    keys = {int(shared_suffixes.ngram_keys(a, 4)[0]), int(shared_suffixes.ngram_keys(a[1:], 3)[0])}
-    for i in range(4):
-        b = a.copy()
-        b[i] += 1
-        keys.add(int(shared_suffixes.ngram_keys(b, 4)[0]))
-    assert len(keys) == 6
+def test_keys_are_the_same_in_every_process():
+    """Tensor-parallel ranks and restarted workers must key alike: no per-process salt."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from vllm_treespec.tree.shared_suffixes import ngram_key; print(ngram_key((5, 6, 7)))"
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+            for seed in ("1", "2")}
+    assert keys == {f"{shared_suffixes.ngram_key((5, 6, 7))}\n"}
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=10, per_key=0),

@@ -83,7 +83,7 @@ def test_the_plain_servers_copy_of_the_mix_has_no_seeds_and_nothing_else_changes
 
 
 def _run(name, rss_warm, *rss_passes, preemptions=3.0):
-    from vllm_treespec.bench.soak import ServerRun
+    from vllm_treespec.bench.soak_report import ServerRun
 
     metrics = {"vllm:num_preemptions_total": preemptions}
     # rss_end (after the quiet subset) is reported, not judged
@@ -94,7 +94,7 @@ def _run(name, rss_warm, *rss_passes, preemptions=3.0):
 
 
 def _memory_violations(plain_growth, tree_growth):
-    from vllm_treespec.bench.soak import check
+    from vllm_treespec.bench.soak_report import check
 
     runs = {"plain": _run("plain", 1000, *(int(1000 * g) for g in plain_growth)),
             "adaptive": _run("adaptive", 1000, *(int(1000 * g) for g in tree_growth))}
@@ -117,7 +117,7 @@ def test_a_second_pass_tells_a_leak_from_a_larger_working_set():
     assert _memory_violations(plain, (1.18, 1.23)) == []            # working set: +8 then flat
     leak = _memory_violations(plain, (1.18, 1.28))                  # +8, then +5 more a pass
     assert len(leak) == 1 and "load pass 2" in leak[0] and "1.25x" in leak[0]
-    from vllm_treespec.bench.soak import check
+    from vllm_treespec.bench.soak_report import check
 
     runs = {"plain": _run("plain", 1000, 1100, 1150),
             "adaptive": _run("adaptive", 1000, 1180, 1280)}
@@ -129,7 +129,7 @@ def test_a_second_pass_tells_a_leak_from_a_larger_working_set():
 def test_markdown_shows_the_growth_after_each_pass():
     import argparse
 
-    from vllm_treespec.bench.soak import check, markdown
+    from vllm_treespec.bench.soak_report import check, markdown
 
     runs = {"plain": _run("plain", 1000, 1100, 1150), "fixed": _run("fixed", 1000, 1180, 1230)}
     summary, violations = check(runs, [])

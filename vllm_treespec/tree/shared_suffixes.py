@@ -15,10 +15,10 @@ request's own history gives (``copy_drafts``), grafted into the same tree.
 * **Bounded memory.** At most ``max_tokens`` tokens in all, oldest output first
   out (an output longer than that keeps its last ``max_tokens``). The index
   holds at most ``per_key`` occurrences of each n-gram, the most recent. Its
-  keys are 64-bit hashes of the n-grams and its occurrences packed integers
-  (a tuple key and a pair per occurrence took three times the memory); a
-  lookup checks every occurrence against the stored tokens, so a collision of
-  hashes never proposes a continuation that did not follow the match.
+  keys are the n-grams' hashes and its occurrences packed integers (a tuple
+  key and a pair per occurrence took three times the memory); a lookup checks
+  every occurrence against the stored tokens, so a collision of hashes never
+  proposes a continuation that did not follow the match.
 * **Bounded host cost.** A lookup hashes ``max_ngram - min_ngram + 1`` n-grams
   and reads at most ``per_key`` occurrences of each, whatever the store's size.
 * **Ranking.** Among the continuations of the longest n-gram that matches,
@@ -26,7 +26,7 @@ request's own history gives (``copy_drafts``), grafted into the same tree.
   SuffixDecoding ranks by frequency; a continuation that is a prefix of one
   already kept adds nothing and is dropped. Shorter n-grams fill the rest.
 
-Pure Python / numpy; no vLLM import.
+Pure Python (a lookup of a few n-grams is cheaper without numpy); no vLLM import.
 """
 
 from __future__ import annotations
@@ -34,25 +34,18 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 
-import numpy as np
-
 from vllm_treespec.tree.copy_drafts import CopyDraft
 
 Tenant = Hashable  # a cache_salt, or None
 
 
-_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd: a bijection of each step's value
-_ID_SHIFT = 32                                # occurrence = doc id << 32 | end
+_ID_SHIFT = 32  # occurrence = doc id << 32 | end
 
 
-def ngram_keys(tokens: np.ndarray, n: int) -> np.ndarray:
-    """A 64-bit key of every n-gram of ``tokens`` (window ``i`` ends at ``i + n - 1``)."""
-    t = tokens.astype(np.uint64)
-    keys = np.full(len(t) - n + 1, n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for k in range(n):
-            keys = (keys * _MULTIPLIER) ^ t[k: len(t) - n + 1 + k]
-    return keys
+def ngram_key(ngram: tuple[int, ...]) -> int:
+    """An n-gram's index key: Python's hash of the tuple, the same in every process
+    (ints hash to themselves; only str and bytes hashes are salted per process)."""
+    return hash(ngram)
 
 
 class SharedSuffixes:
@@ -65,7 +58,7 @@ class SharedSuffixes:
         self.max_tokens, self.length, self.per_key = max_tokens, length, per_key
         self.min_ngram = min_ngram
         self.ngrams = range(max_ngram, min_ngram - 1, -1)  # longest first
-        self._docs: OrderedDict[int, tuple[Tenant, np.ndarray]] = OrderedDict()  # oldest first
+        self._docs: OrderedDict[int, tuple[Tenant, tuple[int, ...]]] = OrderedDict()  # oldest first
         self._index: dict[Tenant, dict[int, list[int]]] = {}  # key -> occurrences
         self._next_id = 0
         self.tokens = 0            # tokens held
@@ -74,7 +67,7 @@ class SharedSuffixes:
 
     def add(self, tenant: Tenant, tokens: Sequence[int]) -> None:
         """File a finished output under ``tenant``, evicting the oldest first."""
-        doc = np.asarray(tokens, dtype=np.int64)[-self.max_tokens:]
+        doc = tuple(int(t) for t in tokens[-self.max_tokens:])
         if len(doc) <= self.min_ngram:  # no n-gram with a token after it: nothing to find
             return
         while self._docs and self.tokens + len(doc) > self.max_tokens:
@@ -100,11 +93,11 @@ class SharedSuffixes:
         out: list[CopyDraft] = []
         if not index or max_branches < 1:
             return out
-        h = np.asarray(history[-self.ngrams.start:], dtype=np.int64)
+        h = tuple(int(t) for t in history[-self.ngrams.start:])
         for n in self.ngrams:
             if len(h) < n or len(out) >= max_branches:
                 continue
-            seen = index.get(int(ngram_keys(h[-n:], n)[0]), ())
+            seen = index.get(ngram_key(h[-n:]), ())
             self.examined += len(seen)
             for cont in self._ranked(seen, h[-n:]):
                 if len(out) >= max_branches:
@@ -125,7 +118,7 @@ class SharedSuffixes:
                 return
         out.append(draft)
 
-    def _ranked(self, seen: list[int], ngram: np.ndarray) -> list[tuple[int, ...]]:
+    def _ranked(self, seen: list[int], ngram: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The continuations after these occurrences of ``ngram`` (those whose
         tokens are it: keys are hashes), most frequent first (ties: most
         recent), each counted with the longer ones it is a prefix of."""
@@ -133,8 +126,8 @@ class SharedSuffixes:
         for occurrence in reversed(seen):               # most recent first
             doc = self._docs[occurrence >> _ID_SHIFT][1]
             end = occurrence & ((1 << _ID_SHIFT) - 1)
-            if np.array_equal(doc[end + 1 - len(ngram): end + 1], ngram):
-                conts.append(tuple(doc[end + 1: end + 1 + self.length].tolist()))
+            if doc[end + 1 - len(ngram): end + 1] == ngram:
+                conts.append(doc[end + 1: end + 1 + self.length])
         counts = Counter()
         for c in conts:
             for k in range(1, len(c) + 1):
@@ -142,12 +135,11 @@ class SharedSuffixes:
         order = {c: i for i, c in reversed(list(enumerate(conts)))}
         return sorted(order, key=lambda c: (-counts[c[:1]], -counts[c], order[c]))
 
-    def _keys(self, doc: np.ndarray):
+    def _keys(self, doc: tuple[int, ...]):
         """(key, its n-gram's last position) for every n-gram with a token after it."""
         for n in self.ngrams:
-            if len(doc) > n:
-                keys = ngram_keys(doc[:-1], n).tolist()
-                yield from zip(keys, range(n - 1, len(doc) - 1))
+            for end in range(n - 1, len(doc) - 1):
+                yield ngram_key(doc[end - n + 1: end + 1]), end
 
     def _evict(self) -> None:
         doc_id, (tenant, doc) = self._docs.popitem(last=False)
