@@ -273,7 +273,9 @@ def test_the_runner_files_finished_requests_under_their_tenant():
     from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
 
     source = _cross_request_source()
-    runner = SimpleNamespace(requests={
+    from vllm_treespec.vllm_glue.metrics import TreeMetrics
+
+    runner = SimpleNamespace(tree_metrics=TreeMetrics(log_interval_s=None), requests={
         "a": SimpleNamespace(prompt_token_ids=[1, 2], output_token_ids=[5, 6, 7, 8])})
     TreeRunnerMixin._file_finished(runner, source, SimpleNamespace(
         tree_tenants={"a": "alice", "b": "bob"}, finished_req_ids=set()))
@@ -281,8 +283,30 @@ def test_the_runner_files_finished_requests_under_their_tenant():
     TreeRunnerMixin._file_finished(runner, source, SimpleNamespace(
         tree_tenants={}, finished_req_ids={"a", "b"}))
     assert source.tenants == {} and source.shared.tokens == 4
+    assert runner.tree_metrics.total.cross_request_tokens == 4  # the gauge follows filing
     found, _ = source.find(np.array([[5, 6]]), np.array([2]), [6], ["c"])
     assert found == [[]]  # "c": never named by the scheduler
     source.admit({"c": "alice"})
     found, _ = source.find(np.array([[5, 6]]), np.array([2]), [6], ["c"])
     assert [d.tokens for d in found[0]] == [(7, 8)]
+
+
+def test_a_request_id_sent_again_keeps_each_request_in_its_own_tenant():
+    """An aborted request sent again under the same id is finished and new in one
+    step: the old one's output is filed under its own tenant, the new one gets
+    the tenant the scheduler named for it."""
+    from types import SimpleNamespace
+
+    from vllm_treespec.vllm_glue.metrics import TreeMetrics
+    from vllm_treespec.vllm_glue.runner import TreeRunnerMixin
+
+    source = _cross_request_source()
+    source.admit({"x": "alice"})
+    runner = SimpleNamespace(tree_metrics=TreeMetrics(log_interval_s=None), requests={
+        "x": SimpleNamespace(prompt_token_ids=[1], output_token_ids=[5, 6, 7, 8])})
+    TreeRunnerMixin._file_finished(runner, source, SimpleNamespace(
+        tree_tenants={"x": "bob"}, finished_req_ids={"x"}))
+    assert source.tenants == {"x": "bob"}
+    source.admit({"b2": "bob", "a2": "alice"})
+    found, _ = source.find(np.array([[5, 6]] * 2), np.array([2, 2]), [6, 6], ["b2", "a2"])
+    assert [[d.tokens for d in row] for row in found] == [[], [(7, 8)]]

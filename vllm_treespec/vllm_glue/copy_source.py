@@ -76,12 +76,14 @@ class CopySource:
     def file_finished(self, req_id: str, prompt: Sequence[int] | None,
                       output: Sequence[int]) -> None:
         """A finished request's output (and prompt, with ``cross_request_prompts``)
-        into the store under its tenant; a request of unknown tenant files nothing."""
+        into the store under its tenant, its last ``HISTORY_WINDOW`` tokens (filing
+        is linear in the length, on the step that learns the request finished);
+        a request of unknown tenant files nothing."""
         tenant = self.tenants.pop(req_id, UNKNOWN)
         if self.shared is None or tenant is UNKNOWN:
             return
         text = [*(prompt if self.file_prompts and prompt is not None else ()), *output]
-        self.shared.add(tenant, text)
+        self.shared.add(tenant, text[-HISTORY_WINDOW:])
 
     def find(self, token_ids: np.ndarray, num_tokens: np.ndarray, roots: list[int],
              req_ids: Sequence[str] = ()) -> tuple[list[list[CopyDraft]], int]:

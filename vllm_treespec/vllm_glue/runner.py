@@ -160,15 +160,19 @@ class TreeRunnerMixin(StepCostCalibration):
         return out
 
     def _file_finished(self, copies, scheduler_output) -> None:
-        """Cross-request copies: new requests' tenants (``scheduling.attach_tenants``)
-        noted, finished ones' text filed before vLLM drops their state."""
-        copies.admit(getattr(scheduler_output, "tree_tenants", None) or {})
-        for req_id in scheduler_output.finished_req_ids:
+        """Cross-request copies: finished requests' text filed before vLLM drops
+        their state, then new requests' tenants (``scheduling.attach_tenants``)
+        noted: an id can be both when a request is aborted and sent again. In a
+        fixed order (a set's order differs between processes): every
+        tensor-parallel rank's store must stay the same."""
+        for req_id in sorted(scheduler_output.finished_req_ids):
             state = self.requests.get(req_id)
             if state is None:
                 copies.tenants.pop(req_id, None)
             else:
                 copies.file_finished(req_id, state.prompt_token_ids, state.output_token_ids)
+        copies.admit(getattr(scheduler_output, "tree_tenants", None) or {})
+        self.tree_metrics.on_cross_request(0, 0, copies.shared.tokens)
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
