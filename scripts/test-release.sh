@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tests a vLLM release between the CI lanes' two (0.28.x-0.31.x install beside the
-# same torch; 0.29.0, 0.30.0 and 0.31.0 passed and are supported) with the engine tests that prove losslessness and serving: greedy
+# same torch; each passed and is supported; rerun one to certify a new commit) with the engine tests that prove losslessness and serving: greedy
 # identity, the T > 0 distribution test, seeded requests, HTTP (test.sh's other-end
 # lane). Its own venv, .venv-vllm-RELEASE; the plugin's release check is lifted for
 # the run (VLLM_TREESPEC_ALLOW_UNTESTED_VLLM=1). A release that passes can join

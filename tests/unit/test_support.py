@@ -25,7 +25,7 @@ def test_the_supported_vllm_releases_pass(found, monkeypatch):
     support.check_vllm_version(found)
 
 
-@pytest.mark.parametrize("found", ["0.27.0", "0.270.1", "0.28.0", "0.33.0", "garbage"])
+@pytest.mark.parametrize("found", ["0.27.0", "0.270.1", "0.31.1", "0.33.0", "garbage"])
 def test_other_vllm_releases_are_refused_naming_the_supported_ones(found, monkeypatch):
     monkeypatch.delenv(support.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(TreeSpecConfigError) as err:

@@ -10,7 +10,7 @@ Releases (``SUPPORTED``; a release is listed once the greedy, T > 0 and HTTP
 integration tests have passed on it, see the README's support matrix):
 
 * **0.27.1**: the first one this glue was written for.
-* **0.29.0**: needs nothing of its own (tested with ``scripts/test-release.sh``).
+* **0.28.0**, **0.29.0**: need nothing of their own (tested with ``scripts/test-release.sh``).
 * **0.30.0**: needs nothing of its own; each bridge below tells it apart by
   what it has, not by its number (tested with ``scripts/test-release.sh``).
 * **0.31.0**: the same; it pins transformers below 5.18, hence our lower bounds
@@ -50,7 +50,7 @@ import dataclasses
 from typing import Any, Callable
 
 DEFAULT = "0.32.0"
-SUPPORTED = ("0.27.1", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
+SUPPORTED = ("0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 
 
 def installed_release() -> str:
