@@ -289,6 +289,11 @@ def test_the_runner_files_finished_requests_under_their_tenant():
     source.admit({"c": "alice"})
     found, _ = source.find(np.array([[5, 6]]), np.array([2]), [6], ["c"])
     assert [d.tokens for d in found[0]] == [(7, 8)]
+    # the metrics count the store's lookups and hits once each, however often read
+    for _ in range(2):
+        runner.tree_metrics.on_cross_request(source.shared)
+        total = runner.tree_metrics.total
+        assert (total.cross_request_lookups, total.cross_request_hits) == (1, 1)
 
 
 def test_a_request_id_sent_again_keeps_each_request_in_its_own_tenant():

@@ -103,16 +103,13 @@ class DraftHandOver:
         if not self.copies_wanted(roots):
             return None
         batch = d.runner.input_batch
-        store = d.copies.shared
-        before = (store.lookups, store.hits) if store is not None else (0, 0)
         found, mismatches = d.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
                                           roots.tolist(), batch.req_ids)
         metrics = getattr(d.runner, "tree_metrics", None)
         if metrics is not None:
             metrics.on_fallback("copy_history_mismatches", mismatches)
-            if store is not None:
-                metrics.on_cross_request(store.lookups - before[0], store.hits - before[1],
-                                         store.tokens)
+            if d.copies.shared is not None:
+                metrics.on_cross_request(d.copies.shared)
         kappa = d.adaptive_budget.kappa if d.adaptive_budget is not None else 1.0
         gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
                                 for b, n in enumerate(num.tolist()) if n)

@@ -150,6 +150,7 @@ class TreeMetrics:
         self._forward_s = 0.0
         self._plain = [0, 0.0, 0.0]  # steps without trees since the last tree step
         self._warned: set[str] = set()
+        self._store_seen = (0, 0)  # the cross-request store's lookups, hits counted so far
 
     @classmethod
     def from_vllm_config(cls, vllm_config, tree_cfg) -> "TreeMetrics":
@@ -268,12 +269,15 @@ class TreeMetrics:
             t.other_accepted += other
             t.both_accepted += both
 
-    def on_cross_request(self, lookups: int, hits: int, tokens: int) -> None:
-        """This step's lookups in the cross-request store, and the tokens it holds."""
+    def on_cross_request(self, store) -> None:
+        """The cross-request store's lookups and hits since the last call (its
+        counters run from its start), and the tokens it holds now."""
+        lookups, hits = store.lookups - self._store_seen[0], store.hits - self._store_seen[1]
+        self._store_seen = (store.lookups, store.hits)
         for t in self._both():
             t.cross_request_lookups += lookups
             t.cross_request_hits += hits
-        self.total.cross_request_tokens = tokens
+        self.total.cross_request_tokens = store.tokens
 
     def on_draft_fault(self) -> None:
         for t in self._both():

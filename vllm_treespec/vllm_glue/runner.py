@@ -172,7 +172,7 @@ class TreeRunnerMixin(StepCostCalibration):
             else:
                 copies.file_finished(req_id, state.prompt_token_ids, state.output_token_ids)
         copies.admit(getattr(scheduler_output, "tree_tenants", None) or {})
-        self.tree_metrics.on_cross_request(0, 0, copies.shared.tokens)
+        self.tree_metrics.on_cross_request(copies.shared)
 
     # ------------------------------------------------------------- inputs
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):

@@ -68,7 +68,7 @@ def patch_scheduler() -> None:
             reserve_tree_lookahead(self, tree.depth)
             versions.clear_block_drop(self.kv_cache_manager,
                                       self.vllm_config.speculative_config)
-            if tree.cross_request_tokens and tree.copy_branches:
+            if tree.cross_request_tokens:  # refused without copy branches (config)
                 attach_tenants(self)
 
     __init__._treespec_wrapped = True  # type: ignore[attr-defined]
