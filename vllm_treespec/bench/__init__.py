@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-treespec bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="pangu240", choices=["pangu240", *repetitive.SUITES],
                    help="pangu240, or a suite whose requests repeat each other "
-                        "(structured, code_workflow: bench/repetitive.py)")
+                        "(structured, code_workflow, repeated_asks: bench/repetitive.py)")
     p.add_argument("--limit", type=int, default=None, help="first N turns (interleaved mix)")
     p.add_argument("--methods", default="none,eagle3,eagle3_tree")
     p.add_argument("--concurrency", default="1", help="comma list, e.g. 1,4,16,32,64")

