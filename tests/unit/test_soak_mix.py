@@ -164,3 +164,14 @@ def test_soak_counts_a_lost_burst_request():
 
     lost = SoakResult(-1, "preempt", "ok", status=500, error="engine died")
     assert lost.violation.startswith("HTTP 500")
+
+
+def test_valid_requests_take_the_tenants_in_turn_and_the_rest_of_the_mix_stays():
+    from vllm_treespec.bench import soak_mix
+
+    mix = build_mix(600, 7, "m", TEXTS, POOL, 1024)
+    valid = [r for r in mix if isinstance(r.body, dict) and r.expect != "4xx"]
+    salts = Counter(r.body.get("cache_salt") for r in valid)
+    assert set(salts) == set(soak_mix.TENANTS) and min(salts.values()) > 100
+    for r in valid:
+        assert r.body.get("cache_salt") == soak_mix.TENANTS[r.index % len(soak_mix.TENANTS)]

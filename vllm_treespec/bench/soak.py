@@ -4,7 +4,9 @@
     vllm-treespec soak --requests 200 --out DIR
 
 Starts a plain server and one server per tree setting (``--trees``: ``adaptive``
-= the defaults, ``fixed`` = a branching tree on every step, adaptive off), each
+= the defaults, ``fixed`` = a branching tree on every step, adaptive off,
+``shared_store`` = the defaults with copies from other requests, the store at
+its largest), each
 on 127.0.0.1 with a KV cache of ``--kv-tokens`` tokens so that requests get
 preempted, ``validate_invariants`` on. Each server then gets, in order:
 
@@ -79,6 +81,10 @@ TREES = {
     "adaptive": {"validate_invariants": True},
     "fixed": {"validate_invariants": True, "adaptive": False, "num_nodes": 8, "depth": 3,
               "top_k": 2},
+    # the defaults with copies from other requests, the store at its largest and
+    # prompts filed too, so that the mix fills it and outputs leave it
+    "shared_store": {"validate_invariants": True, "cross_request_tokens": 262144,
+                     "cross_request_prompts": True},
 }
 BLOCK_SIZE = 128  # the CPU backend's
 # Resident memory is read this long after a burst's last answer: a tree worker

@@ -31,6 +31,9 @@ FALLBACK_OPTIONS = (
 )
 # vLLM (0.27.1, 0.32.0) refuses these with any speculative method (HTTP 400, its own check).
 REFUSED_WITH_SPECULATION = ("fallback:min_p", "fallback:logit_bias")
+# Tenants (vLLM's cache_salt) taken in turn by the valid requests, None for no
+# salt: a server that shares drafts across requests must keep them apart.
+TENANTS = ("tenant-a", "tenant-b", None)
 
 
 @dataclasses.dataclass
@@ -121,7 +124,9 @@ def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[
     sampled (top-p/top-k, n up to 4, seeds), stop strings, logprobs, max_tokens
     1..512 (at most ``max_tokens_cap``), prompts from 1 token to near
     ``max_model_len`` (token-id prompts cut from ``token_pool``), requests that
-    need the non-tree fallback, client aborts mid-stream, and invalid requests."""
+    need the non-tree fallback, client aborts mid-stream, and invalid requests;
+    the valid ones of ``TENANTS`` in turn (by index: the rest of the mix does not
+    depend on them)."""
     rng = random.Random(seed)
     out = []
     for i, kind in enumerate(_kinds(n, rng)):
@@ -152,6 +157,8 @@ def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[
             body.update(extra)
         if stream:
             body.update(stream=True, stream_options={"include_usage": True})
+        if TENANTS[i % len(TENANTS)] is not None:
+            body["cache_salt"] = TENANTS[i % len(TENANTS)]
         out.append(SoakRequest(i, kind, path, body, stream,
                                expect="abort" if kind == "abort" else "ok",
                                abort_after=rng.randint(1, 8) if kind == "abort" else None))
