@@ -1,5 +1,6 @@
 """The code-editing benchmark suite (bench/code_edits.py): every turn carries a
-whole function to copy back, with one edit, and any prefix keeps the mix."""
+whole function to copy back, with one edit, and any prefix keeps the mix; a long
+file puts its function far back."""
 
 from __future__ import annotations
 
@@ -31,3 +32,15 @@ def test_a_planted_bug_changes_one_operator():
     assert code_edits.plant_bug("    pass\n") is None
     with pytest.raises(ValueError, match="unknown edit 'x'"):
         code_edits.request("x", humaneval_problems(1)[0])
+
+
+def test_a_long_file_edit_starts_with_its_function_far_before_the_question():
+    turns = code_edits.long_file_edit_turns(3)
+    problems = humaneval_problems(3)
+    assert [t.turn_id for t in turns] == ["long_file/0", "long_file/1", "long_file/2"]
+    for t, p in zip(turns, problems):
+        text = t.messages[0]["content"]
+        module = text.split("```python\n", 1)[1].split("```", 1)[0]
+        assert module.startswith(p["prompt"].strip("\n")) and len(module) >= \
+            code_edits.LONG_FILE_CHARS
+        assert f"`{p['entry_point']}`" in text and code_edits.camel(p["entry_point"]) in text

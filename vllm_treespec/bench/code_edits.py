@@ -6,6 +6,11 @@ with one edit, in turn: rename the function, fix a planted bug, add comments,
 or drop the type hints. Rewrites, edits and refactorings like these are where
 copy drafts (prompt lookup) are long and right while a drafter head guesses
 token by token, so the suite measures what copy branches add.
+
+``long_file_edit_turns`` asks the same of the first function of a long module
+(the function, then other HumanEval solutions, about ``LONG_FILE_CHARS`` of
+text in all): the text to copy lies thousands of tokens before the answer, as in
+whole-file edits and retrieved documents.
 """
 
 from __future__ import annotations
@@ -74,4 +79,30 @@ def code_edit_turns(n: int) -> list[Turn]:
                           [{"role": "user", "content": message}]))
         if len(turns) == n:
             break
+    return turns
+
+
+LONG_FILE_CHARS = 20000  # about 6000 tokens of code: past a 4096-token window
+
+
+def long_file_edit_turns(n: int) -> list[Turn]:
+    """The first ``n`` turns: problem i first in a module of the solutions that
+    follow it, renamed in the answer (that function only)."""
+    problems = humaneval_problems(NUM_PROBLEMS)
+    turns = []
+    for i, problem in enumerate(problems[:n]):
+        parts, size, j = [], 0, i
+        while size < LONG_FILE_CHARS:
+            p = problems[j % len(problems)]
+            code = p["prompt"].strip("\n") + "\n" + p["canonical_solution"].rstrip() + "\n"
+            parts.append(code)
+            size, j = size + len(code), j + 1
+        entry = problem["entry_point"]
+        module = "\n\n".join(parts)
+        turns.append(Turn(
+            f"long_file/{problem['task_id'].split('/')[-1]}", "code_edit",
+            [{"role": "user", "content":
+              f"Here is a Python module.\n\n```python\n{module}```\n\nRename the function "
+              f"`{entry}` (the first one in the module) to `{camel(entry)}` and reply with "
+              "that whole function only, renamed, otherwise unchanged."}]))
     return turns

@@ -50,8 +50,8 @@ import sys
 from pathlib import Path
 
 
-SUITES = ("pangu240", "code_edit", "mtbench2", "creative", "structured", "code_workflow",
-          "repeated_asks")
+SUITES = ("pangu240", "code_edit", "long_file_edit", "mtbench2", "creative", "structured",
+          "code_workflow", "repeated_asks")
 
 
 def suite_turns(suite: str, n: int) -> list:
@@ -62,6 +62,8 @@ def suite_turns(suite: str, n: int) -> list:
         return repetitive.SUITES[suite](n)
     if suite == "code_edit":
         return code_edits.code_edit_turns(n)
+    if suite == "long_file_edit":
+        return code_edits.long_file_edit_turns(n)
     if suite == "mtbench2":
         return [t for t in pangu240.build_turns() if t.depends_on is not None][:n]
     if suite == "creative":
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default="none,eagle3:k=2,eagle3_tree")
     p.add_argument("--suite", default="pangu240", choices=SUITES,
-                   help="pangu240: its first turns; code_edit: bench/code_edits.py; mtbench2: "
+                   help="pangu240: its first turns; code_edit, long_file_edit: "
+                        "bench/code_edits.py; mtbench2: "
                         "MT-Bench second turns, after the first method's own first answers; "
                         "creative: MT-Bench's writing and roleplay first turns; structured, "
                         "code_workflow, repeated_asks: bench/repetitive.py")
