@@ -315,3 +315,16 @@ def test_a_request_id_sent_again_keeps_each_request_in_its_own_tenant():
     source.admit({"b2": "bob", "a2": "alice"})
     found, _ = source.find(np.array([[5, 6]] * 2), np.array([2, 2]), [6, 6], ["b2", "a2"])
     assert [[d.tokens for d in row] for row in found] == [[], [(7, 8)]]
+
+
+def test_the_search_reaches_back_its_window_and_no_further():
+    from vllm_treespec.vllm_glue.copy_source import HISTORY_WINDOW, CopySource
+
+    rng = np.random.default_rng(0)
+    far = HISTORY_WINDOW - 100  # the copied text starts this far before the root
+    history = rng.integers(1000, 40000, size=far + 200)
+    history[-3:] = history[100:103]  # the last tokens occurred once, long ago
+    row = history[None, :].astype(np.int64)
+    found = lambda source: source.find(row, np.array([len(history)]), [int(history[-1])])[0][0]
+    assert [d.tokens for d in found(CopySource(2, 8))] == [tuple(history[103:111].tolist())]
+    assert found(CopySource(2, 8, window=far)) == []  # the match lies before the window

@@ -7,7 +7,8 @@ and target outputs are generated up front: they are model costs, not ours. Then
 the copy-branch search (``CopySource.find``), which runs on the host for every
 request every step, drafting or not: B requests with histories of each
 ``--copy-history`` length, of random tokens (nothing to copy: the cost of finding
-nothing) and of a repeating text (every step finds its branches).
+nothing) and of a repeating text (every step finds its branches), searched in
+the last ``HISTORY_WINDOW`` tokens and, for comparison, in the last 4096.
 
     python -m vllm_treespec.bench.tree_overhead [--out benchmarks/out/tree_overhead.json]
 
@@ -33,6 +34,7 @@ from vllm_treespec.tree import (
     tree_mask,
 )
 
+OLD_WINDOW = 4096  # the copy search's window before HISTORY_WINDOW, for comparison
 DRAFT_VOCAB = 8192   # typical EAGLE-3 draft vocabulary
 TARGET_VOCAB = 49152  # SmolLM2
 BLOCK_SIZE = 16
@@ -79,7 +81,8 @@ def bench(B, M, top_k, depth, stochastic, reps, gen):
     return statistics.median(times), min(times)
 
 
-def copy_search_ms(B: int, length: int, repeating: bool, reps: int, gen) -> float:
+def copy_search_ms(B: int, length: int, repeating: bool, reps: int, gen,
+                   window: int | None = None) -> float:
     import numpy as np
 
     from vllm_treespec.vllm_glue.copy_source import CopySource
@@ -91,7 +94,7 @@ def copy_search_ms(B: int, length: int, repeating: bool, reps: int, gen) -> floa
         ids = torch.randint(0, TARGET_VOCAB, (B, length), generator=gen)
     ids = ids.numpy().astype(np.int64)
     num, roots = np.full(B, length), ids[:, -1].tolist()
-    source = CopySource(2, 8)
+    source = CopySource(2, 8) if window is None else CopySource(2, 8, window=window)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=6)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    ap.add_argument("--copy-history", default="400,4096",
+    ap.add_argument("--copy-history", default="400,4096,32768,131072",
                     help="history lengths (tokens) for the copy-branch search")
     ap.add_argument("--out", default=os.path.join("benchmarks", "out", "tree_overhead.json"))
     args = ap.parse_args()
@@ -127,14 +130,19 @@ def main() -> None:
                          "stochastic_ms_median": round(s_med, 3),
                          "stochastic_ms_min": round(s_min, 3)})
             print(f"{B:>4} {M:>4} {g_med:>10.3f} {s_med:>10.3f} {g_med / B:>12.3f}")
+    from vllm_treespec.vllm_glue.copy_source import HISTORY_WINDOW
+
     copy_rows = []
-    print(f"{'B':>4} {'history':>8} {'copy search ms (nothing / repeating)':>38}")
+    print(f"{'B':>4} {'history':>8} {'window':>8} {'copy search ms (nothing / repeating)':>38}")
     for B in [int(x) for x in args.batch.split(",")]:
         for n in [int(x) for x in args.copy_history.split(",")]:
-            none, found = (copy_search_ms(B, n, rep, args.reps, gen) for rep in (False, True))
-            copy_rows.append({"batch": B, "history": n, "nothing_ms_median": round(none, 3),
-                              "repeating_ms_median": round(found, 3)})
-            print(f"{B:>4} {n:>8} {none:>18.3f} / {found:.3f}")
+            for window in sorted({OLD_WINDOW, HISTORY_WINDOW}):
+                none, found = (copy_search_ms(B, n, rep, args.reps, gen, window)
+                               for rep in (False, True))
+                copy_rows.append({"batch": B, "history": n, "window": window,
+                                  "nothing_ms_median": round(none, 3),
+                                  "repeating_ms_median": round(found, 3)})
+                print(f"{B:>4} {n:>8} {window:>8} {none:>18.3f} / {found:.3f}")
     out = {"benchmark": "tree_overhead", "draft_vocab": DRAFT_VOCAB,
            "target_vocab": TARGET_VOCAB, "torch": torch.__version__, "copy_search": copy_rows,
            "threads": torch.get_num_threads(), "machine": platform.machine(),

@@ -41,17 +41,21 @@ from vllm_treespec.tree.copy_drafts import (
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes, Tenant
 
 # Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
-# the last HISTORY_WINDOW tokens: the search's cost per step is bounded
-# whatever the context's length.
+# the last HISTORY_WINDOW tokens of a request's own history: the search's cost
+# per step is bounded whatever the context's length (benchmarks/RESULTS.md,
+# "Overhead of the tree core": the search over the window costs about what it
+# did over 4096 tokens, which left long prompts' starts out of reach).
 MIN_NGRAM, MAX_NGRAM = 2, 4
-HISTORY_WINDOW = 4096
+HISTORY_WINDOW = 32768
+# What the store keeps of a finished request: its last FILED_TOKENS tokens.
+FILED_TOKENS = 4096
 UNKNOWN = object()  # the tenant of a request the scheduler never named: sees no one's
 
 
 class CopySource:
     def __init__(self, branches: int, length: int, shared: SharedSuffixes | None = None,
-                 file_prompts: bool = False):
-        self.branches, self.length = branches, length
+                 file_prompts: bool = False, window: int = HISTORY_WINDOW):
+        self.branches, self.length, self.window = branches, length, window
         self.estimates = CopyAcceptance(MAX_NGRAM, length)
         # Copies from other requests: the store, their own estimates, each
         # running request's tenant, and whether prompts are filed with outputs.
@@ -76,14 +80,14 @@ class CopySource:
     def file_finished(self, req_id: str, prompt: Sequence[int] | None,
                       output: Sequence[int]) -> None:
         """A finished request's output (and prompt, with ``cross_request_prompts``)
-        into the store under its tenant, its last ``HISTORY_WINDOW`` tokens (filing
+        into the store under its tenant, its last ``FILED_TOKENS`` tokens (filing
         is linear in the length, on the step that learns the request finished);
         a request of unknown tenant files nothing."""
         tenant = self.tenants.pop(req_id, UNKNOWN)
         if self.shared is None or tenant is UNKNOWN:
             return
         text = [*(prompt if self.file_prompts and prompt is not None else ()), *output]
-        self.shared.add(tenant, text[-HISTORY_WINDOW:])
+        self.shared.add(tenant, text[-FILED_TOKENS:])
 
     def find(self, token_ids: np.ndarray, num_tokens: np.ndarray, roots: list[int],
              req_ids: Sequence[str] = ()) -> tuple[list[list[CopyDraft]], int]:
@@ -95,7 +99,7 @@ class CopySource:
             n = int(num_tokens[b])
             tail = ([t for t in self._emitted[b] if t >= 0] if b < len(self._emitted)
                     and n == self._counted[b] else [])  # [] : already in token_ids
-            start = max(0, n + len(tail) - HISTORY_WINDOW)
+            start = max(0, n + len(tail) - self.window)
             history = np.concatenate([token_ids[b, start:n], np.asarray(tail, np.int64)])
             if len(history) == 0 or history[-1] != root:
                 mismatches += len(history) > 0
