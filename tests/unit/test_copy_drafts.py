@@ -39,13 +39,14 @@ def test_a_continuation_that_extends_a_kept_one_replaces_it():
     assert found == [CopyDraft((5, 3), 2), CopyDraft((5, 6), 2)]
 
 
-def sliding_window_continuations(h, max_ngram, min_ngram, length, max_branches):
-    """The search spelled out: every n-token window compared with the last n."""
+def sliding_window_continuations(h, max_ngram, min_ngram, length, max_branches, max_matches):
+    """The search spelled out: every n-token window compared with the last n,
+    the ``max_matches`` most recent matching windows of each n read."""
     h = np.asarray(h, dtype=np.int64)
     out = []
     for n in range(min(max_ngram, len(h) - 1), min_ngram - 1, -1):
         windows = np.lib.stride_tricks.sliding_window_view(h[:-1], n)
-        for s in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1]:
+        for s in np.flatnonzero((windows == h[-n:]).all(axis=1))[::-1][:max_matches]:
             cont = tuple(int(t) for t in h[s + n: s + n + length])
             if any(k.tokens[:len(cont)] == cont for k in out):
                 continue
@@ -58,12 +59,21 @@ def sliding_window_continuations(h, max_ngram, min_ngram, length, max_branches):
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 3), max_size=40), st.integers(1, 5), st.integers(1, 5),
-       st.integers(1, 6), st.integers(1, 4))
-def test_the_search_finds_what_every_window_compared_finds(h, a, b, length, branches):
+       st.integers(1, 6), st.integers(1, 4), st.sampled_from([1, 3, 32]))
+def test_the_search_finds_what_every_window_compared_finds(h, a, b, length, branches,
+                                                           matches):
     # A 4-token alphabet: histories full of repeats, overlapping and nested matches.
     lo, hi = min(a, b), max(a, b)
-    assert copy_continuations(h, hi, lo, length, branches) == \
-        sliding_window_continuations(h, hi, lo, length, branches)
+    assert copy_continuations(h, hi, lo, length, branches, matches) == \
+        sliding_window_continuations(h, hi, lo, length, branches, matches)
+
+
+def test_only_the_most_recent_matches_are_read():
+    # "7 8" follows "1 2" once, long ago; "9 9" follows it 40 times since.
+    h = [1, 2, 7, 8] + [5, 1, 2, 9, 9] * 40 + [1, 2]
+    assert [d.tokens for d in copy_continuations(h, 2, 2, 2, 2, max_matches=41)] == \
+        [(9, 9), (7, 8)]
+    assert [d.tokens for d in copy_continuations(h, 2, 2, 2, 2)] == [(9, 9)]
 
 
 def test_bad_ngram_bounds_are_refused_by_name():

@@ -43,9 +43,12 @@ class CopyDraft:
 
 
 def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: int = 8,
-                       max_branches: int = 2) -> list[CopyDraft]:
+                       max_branches: int = 2, max_matches: int = 32) -> list[CopyDraft]:
     """Up to ``max_branches`` distinct continuations of ``history`` (1-D token
-    ids, the root last), longest match first, then most recent."""
+    ids, the root last), longest match first, then most recent; of each match
+    length, the ``max_matches`` most recent matches are read (text that repeats
+    one passage over and over matches everywhere, and each match read is a
+    Python step: the bound keeps a step's cost flat in the history's length)."""
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"copy drafts: min_ngram={min_ngram} and max_ngram={max_ngram} "
                          f"need 1 <= min_ngram <= max_ngram")
@@ -64,7 +67,7 @@ def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: 
         matched[live] += h[ends[live] - k] == h[-1 - k]
     ends, matched = ends[::-1], matched[::-1]  # most recent first
     for n in range(max_ngram, min_ngram - 1, -1):
-        for e in ends[matched >= n]:
+        for e in ends[matched >= n][:max_matches]:
             cont = tuple(h[e + 1: e + 1 + length].tolist())
             if any(k.tokens[:len(cont)] == cont for k in out):
                 continue
