@@ -34,6 +34,15 @@ def test_a_planted_bug_changes_one_operator():
         code_edits.request("x", humaneval_problems(1)[0])
 
 
+def test_every_suite_of_the_served_benchmark_has_its_own_turns():
+    from vllm_treespec.bench.served_ab import SUITES, suite_turns
+
+    pangu = [t.turn_id for t in suite_turns("pangu240", 2)]
+    for suite in SUITES:
+        turns = suite_turns(suite, 2)
+        assert len(turns) == 2 and (suite == "pangu240") == ([t.turn_id for t in turns] == pangu)
+
+
 def test_a_long_file_edit_starts_with_its_function_far_before_the_question():
     turns = code_edits.long_file_edit_turns(3)
     problems = humaneval_problems(3)

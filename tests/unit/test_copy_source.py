@@ -321,10 +321,22 @@ def test_the_search_reaches_back_its_window_and_no_further():
     from vllm_treespec.vllm_glue.copy_source import HISTORY_WINDOW, CopySource
 
     rng = np.random.default_rng(0)
-    far = HISTORY_WINDOW - 100  # the copied text starts this far before the root
-    history = rng.integers(1000, 40000, size=far + 200)
-    history[-3:] = history[100:103]  # the last tokens occurred once, long ago
+    n = HISTORY_WINDOW + 100
+    history = rng.integers(1000, 40000, size=n)
+    history[-2:] = history[100:102]  # the last two tokens occurred once, long ago
     row = history[None, :].astype(np.int64)
-    found = lambda source: source.find(row, np.array([len(history)]), [int(history[-1])])[0][0]
-    assert [d.tokens for d in found(CopySource(2, 8))] == [tuple(history[103:111].tolist())]
-    assert found(CopySource(2, 8, window=far)) == []  # the match lies before the window
+    found = lambda source: source.find(row, np.array([n]), [int(history[-1])])[0][0]
+    copy = [tuple(history[102:110].tolist())]
+    assert [d.tokens for d in found(CopySource(2, 8))] == copy  # the default reaches it
+    assert [d.tokens for d in found(CopySource(2, 8, window=n - 100))] == copy
+    assert found(CopySource(2, 8, window=n - 101)) == []  # its first token just outside
+
+
+def test_the_store_files_the_last_tokens_of_a_long_request():
+    from vllm_treespec.tree.shared_suffixes import SharedSuffixes
+    from vllm_treespec.vllm_glue.copy_source import FILED_TOKENS, CopySource
+
+    source = CopySource(2, 8, SharedSuffixes(10 * FILED_TOKENS))
+    source.admit({"r": "tenant"})
+    source.file_finished("r", None, list(range(FILED_TOKENS + 904)))
+    assert source.shared.tokens == FILED_TOKENS

@@ -166,7 +166,7 @@ def test_soak_counts_a_lost_burst_request():
     assert lost.violation.startswith("HTTP 500")
 
 
-def test_valid_requests_take_the_tenants_in_turn_and_the_rest_of_the_mix_stays():
+def test_valid_requests_take_the_tenants_in_turn():
     from vllm_treespec.bench import soak_mix
 
     mix = build_mix(600, 7, "m", TEXTS, POOL, 1024)

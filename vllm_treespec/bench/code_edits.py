@@ -103,6 +103,6 @@ def long_file_edit_turns(n: int) -> list[Turn]:
             f"long_file/{problem['task_id'].split('/')[-1]}", "code_edit",
             [{"role": "user", "content":
               f"Here is a Python module.\n\n```python\n{module}```\n\nRename the function "
-              f"`{entry}` (the first one in the module) to `{camel(entry)}` and reply with "
+              f"`{entry}` (at the top of the module) to `{camel(entry)}` and reply with "
               "that whole function only, renamed, otherwise unchanged."}]))
     return turns

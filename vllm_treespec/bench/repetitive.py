@@ -32,8 +32,8 @@ def _code(problem: dict) -> str:
     return problem["prompt"].strip("\n") + "\n" + problem["canonical_solution"].rstrip() + "\n"
 
 
-def _user(turn_id: str, text: str) -> Turn:
-    return Turn(turn_id, "humaneval", [{"role": "user", "content": text}])
+def _user(turn_id: str, text: str, source: str = "humaneval") -> Turn:
+    return Turn(turn_id, source, [{"role": "user", "content": text}])
 
 
 def structured_turns(n: int | None = None) -> list[Turn]:
@@ -80,13 +80,15 @@ def repeated_asks_turns(n: int | None = None) -> list[Turn]:
     problems, questions = humaneval_problems(80), mtbench_questions(80)
     asks = []
     for p, q in zip(problems, questions):
-        asks.append((f"asks/humaneval/{p['task_id'].split('/')[-1]}", CODE_ASKS, p["prompt"]))
-        asks.append((f"asks/mtbench/{q['question_id']}", QUESTION_ASKS, q["turns"][0]))
+        asks.append((f"asks/humaneval/{p['task_id'].split('/')[-1]}", CODE_ASKS, p["prompt"],
+                     "humaneval"))
+        asks.append((f"asks/mtbench/{q['question_id']}", QUESTION_ASKS, q["turns"][0],
+                     "mtbench"))
     turns = []
     for g in range(0, len(asks), SPREAD):
         for asker in range(ASKERS):
-            turns += [_user(f"{tid}/{asker}", forms[asker].format(text))
-                      for tid, forms, text in asks[g:g + SPREAD]]
+            turns += [_user(f"{tid}/{asker}", forms[asker].format(text), source)
+                      for tid, forms, text, source in asks[g:g + SPREAD]]
     return turns[:n]
 
 

@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight per server (rounds of this many turns)")
     p.add_argument("--serve-args", default=None,
-                   help="default: --dtype float32 --max-model-len 4096 --seed 0 "
-                        "--max-num-seqs CONCURRENCY")
+                   help="default: --dtype float32 --max-model-len 4096 (8192 for "
+                        "long_file_edit) --seed 0 --max-num-seqs CONCURRENCY")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: serves the head-padded pair (`vllm-treespec "
                         "assets --tp N`) with --tensor-parallel-size N, one core a rank")
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.concurrency < 1:
         p.error(f"--concurrency must be >= 1, got {args.concurrency}")
-    if args.serve_args is None:
-        args.serve_args = ("--dtype float32 --max-model-len 4096 --seed 0 "
+    if args.serve_args is None:  # long files: ~6500-token prompts, the target's 8192 context
+        max_len = 8192 if args.suite == "long_file_edit" else 4096
+        args.serve_args = (f"--dtype float32 --max-model-len {max_len} --seed 0 "
                            f"--max-num-seqs {args.concurrency}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,9 @@ forward (prompt lookup; vLLM's ``ngram`` method drafts one such chain). A tree
 can verify several of them beside the drafter's branches in the same forward.
 
 ``copy_continuations`` finds them: for n from ``max_ngram`` down to
-``min_ngram``, every earlier occurrence of the history's last n tokens, most
-recent first, gives the tokens after it; continuations that are a prefix of one
+``min_ngram``, every earlier occurrence of the history's last n tokens (the
+``max_matches`` most recent of each n), most recent first, gives the tokens
+after it; continuations that are a prefix of one
 already kept add nothing and are dropped. The search runs every step for every
 request, finding something or not, so it makes one numpy compare over the
 history (the earlier occurrences of the last token) and extends only those
