@@ -38,9 +38,14 @@ def camel(name: str) -> str:
     return head + "".join(w.capitalize() for w in rest) if rest else name + "Fn"
 
 
+def whole_function(problem: dict) -> str:
+    """A HumanEval problem's function: its prompt (signature, docstring) and solution."""
+    return problem["prompt"].strip("\n") + "\n" + problem["canonical_solution"].rstrip() + "\n"
+
+
 def request(edit: str, problem: dict) -> tuple[str, str] | None:
     """(edit applied, user message) for one problem, or None if the edit does not apply."""
-    code = problem["prompt"].strip("\n") + "\n" + problem["canonical_solution"].rstrip() + "\n"
+    code = whole_function(problem)
     fence = f"```python\n{code}```"
     entry = problem["entry_point"]
     if edit == "rename":
@@ -93,8 +98,7 @@ def long_file_edit_turns(n: int) -> list[Turn]:
     for i, problem in enumerate(problems[:n]):
         parts, size, j = [], 0, i
         while size < LONG_FILE_CHARS:
-            p = problems[j % len(problems)]
-            code = p["prompt"].strip("\n") + "\n" + p["canonical_solution"].rstrip() + "\n"
+            code = whole_function(problems[j % len(problems)])
             parts.append(code)
             size, j = size + len(code), j + 1
         entry = problem["entry_point"]

@@ -20,16 +20,13 @@ The prompts are never used to train a head.
 
 from __future__ import annotations
 
+from vllm_treespec.bench.code_edits import whole_function
 from vllm_treespec.bench.pangu240 import Turn, humaneval_problems, mtbench_questions
 
 NUM_PROBLEMS = 164  # all of HumanEval
 
 SCHEMA = ('{"name": string, "parameters": [{"name": string, "type": string}], '
           '"returns": string, "summary": string, "examples": integer}')
-
-
-def _code(problem: dict) -> str:
-    return problem["prompt"].strip("\n") + "\n" + problem["canonical_solution"].rstrip() + "\n"
 
 
 def _user(turn_id: str, text: str, source: str = "humaneval") -> Turn:
@@ -51,7 +48,7 @@ def code_workflow_turns(n: int | None = None) -> list[Turn]:
     turns = []
     for p in humaneval_problems(NUM_PROBLEMS):
         tid = p["task_id"].split("/")[-1]
-        fence = f"```python\n{_code(p)}```"
+        fence = f"```python\n{whole_function(p)}```"
         turns += [
             _user(f"workflow/{tid}/write", "Complete the following Python function.\n\n"
                   f"```python\n{p['prompt']}```"),

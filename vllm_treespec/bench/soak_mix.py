@@ -157,8 +157,9 @@ def build_mix(n: int, seed: int, model: str, texts: list[str], token_pool: list[
             body.update(extra)
         if stream:
             body.update(stream=True, stream_options={"include_usage": True})
-        if TENANTS[i % len(TENANTS)] is not None:
-            body["cache_salt"] = TENANTS[i % len(TENANTS)]
+        tenant = TENANTS[i % len(TENANTS)]
+        if tenant is not None:
+            body["cache_salt"] = tenant
         out.append(SoakRequest(i, kind, path, body, stream,
                                expect="abort" if kind == "abort" else "ok",
                                abort_after=rng.randint(1, 8) if kind == "abort" else None))

@@ -82,7 +82,7 @@ def bench(B, M, top_k, depth, stochastic, reps, gen):
 
 
 def copy_search_ms(B: int, length: int, repeating: bool, reps: int, gen,
-                   window: int | None = None) -> float:
+                   window: int) -> float:
     import numpy as np
 
     from vllm_treespec.vllm_glue.copy_source import CopySource
@@ -94,7 +94,7 @@ def copy_search_ms(B: int, length: int, repeating: bool, reps: int, gen,
         ids = torch.randint(0, TARGET_VOCAB, (B, length), generator=gen)
     ids = ids.numpy().astype(np.int64)
     num, roots = np.full(B, length), ids[:, -1].tolist()
-    source = CopySource(2, 8) if window is None else CopySource(2, 8, window=window)
+    source = CopySource(2, 8, window=window)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
