@@ -394,5 +394,30 @@ def test_hybrid_trees_sample_what_plain_vllm_samples_over_http(servers, plain_se
     m = tree.metrics()
     assert_homogeneous(plain, got, "served hybrid tree")
     assert accepted_by_source(before, m, "copy") + accepted_by_source(before, m, "both") > 0, m
-    # the draws before each request's are in the store: other requests' copies
-    assert accepted_by_source(before, m, "other_requests") > 0, m
+    # Other requests' copies are among these trees too (the draws before each
+    # request's are in the store), a few per 200 draws: too few to assert on.
+    # The next test accepts them by construction.
+
+
+def test_a_seeded_sample_is_the_same_when_other_requests_copies_are_accepted(servers):
+    """A seeded request at T = 1 takes each position's randomness from (seed,
+    position) (test_seeded), so asking it again must give the same answer although
+    the second time the store holds the first answer: its copies, which the
+    request's own history does not hold, are proposed beside the drafter's nodes
+    and accepted where the drafter's are not. A rule that let a copy change what
+    is sampled would change the answer."""
+    _, tree = servers
+    question = "Invent a name for a new colour and describe it."  # asked only here
+
+    def ask():
+        before = tree.metrics()
+        resp = chat(tree.client, question, temperature=1.0, seed=4321, extra_body={
+            "ignore_eos": True, "return_token_ids": True, "cache_salt": "seeded-repeat"})
+        return resp.choices[0].token_ids, accepted_by_source(before, tree.metrics(),
+                                                             "other_requests")
+
+    first, _ = ask()
+    again, copied = ask()
+    assert again == first
+    # 64 sampled tokens: the drafter's few guesses a step miss many of them
+    assert copied > 0, copied
