@@ -162,3 +162,13 @@ def test_resume_continues_with_the_runs_own_settings(tmp_path, capsys):
     with pytest.raises(SystemExit):
         resumed_args(parser, parser.parse_args(["--resume", str(tmp_path / "x")]), tmp_path / "x",
                      set())
+
+
+def test_every_server_starts_a_round_in_turn():
+    from vllm_treespec.bench.served_ab import rotated
+
+    labels = ["none", "eagle3:k=3", "eagle3_tree"]
+    orders = [rotated(labels, i) for i in range(6)]
+    assert all(sorted(o) == sorted(labels) for o in orders)
+    assert [o[0] for o in orders[:3]] == labels  # each first once in three rounds
+    assert orders[3] == orders[0] and orders[1] == ["eagle3:k=3", "eagle3_tree", "none"]

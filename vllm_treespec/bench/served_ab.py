@@ -7,7 +7,8 @@ Here one ``vllm-treespec serve`` per method starts first, then each turn is sent
 to every server in turn (one request at a time, streaming, greedy unless
 ``--temperature``): slow drift of the machine hits all methods alike, while
 each measurement still includes everything a served request pays (API server,
-engine core, worker). With
+engine core, worker). Each turn (or round) starts with the next server in turn, so
+no method always follows the same one. With
 ``--concurrency N`` the turns go in rounds of N concurrent requests, each round
 to every server in turn (servers get ``--max-num-seqs N``); tok/s is then the
 output tokens of the rounds over their wall time, and the per-turn ratios below
@@ -69,6 +70,14 @@ def suite_turns(suite: str, n: int) -> list:
     if suite == "creative":
         return pangu240.mtbench_first_turns(("writing", "roleplay"), n)
     return pangu240.first_turns(n)
+
+
+def rotated(labels: list[str], i: int) -> list[str]:
+    """The servers' order in round ``i``: each starts one round in turn. A server
+    runs a little faster or slower by where it sits in a round (the one before it
+    may still be winding down), and that must fall on every method alike."""
+    k = i % len(labels)
+    return labels[k:] + labels[:k]
 
 
 def check_memory(first, count: int) -> None:
@@ -165,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         n = args.concurrency
         rounds = [turns[i:i + n] for i in range(0, len(turns), n)]
         for i, group in enumerate(rounds):
-            for label, d in drivers.items():
+            for label in rotated(list(drivers), i):
+                d = drivers[label]
                 if n == 1:
                     r = d.run_turn(group[0])
                     rs, wall = [r], r.e2e_s
