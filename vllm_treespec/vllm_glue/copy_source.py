@@ -42,9 +42,9 @@ from vllm_treespec.tree.shared_suffixes import SharedSuffixes, Tenant
 
 # Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
 # the last HISTORY_WINDOW tokens of a request's own history: the search's cost
-# per step is bounded whatever the context's length: a few ms a step for 64
-# requests of that length (benchmarks/RESULTS.md, "Overhead of the tree core");
-# 4096, as before, left long prompts' starts out of reach.
+# per step is bounded whatever the context's length (its cost at this window:
+# benchmarks/RESULTS.md, "Overhead of the tree core"); 4096, as before, left long
+# prompts' starts out of reach.
 MIN_NGRAM, MAX_NGRAM = 2, 4
 HISTORY_WINDOW = 32768
 # What the store keeps of a finished request: its last FILED_TOKENS tokens.
