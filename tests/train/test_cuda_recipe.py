@@ -117,7 +117,9 @@ def test_join_head_refuses_a_missing_or_corrupt_part(tmp_path):
     (head / "model.safetensors").unlink()
     keep = {p.name: p.read_bytes() for p in head.glob("*.part*")}
     assert len(keep) == 3
-    (head / "model.safetensors.part1").write_bytes(b"x" + keep["model.safetensors.part1"][1:])
+    part1 = keep["model.safetensors.part1"]
+    # Flip every bit of the first byte: a fixed replacement byte equals it 1 time in 256.
+    (head / "model.safetensors.part1").write_bytes(bytes([part1[0] ^ 0xFF]) + part1[1:])
     with pytest.raises(ValueError, match="does not match its MANIFEST"):
         cuda_recipe.join_head(head)
     for name, data in keep.items():
