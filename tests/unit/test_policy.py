@@ -295,6 +295,29 @@ def test_a_probe_from_off_is_priced_with_the_drafter_catch_up_it_pays():
     assert unpriced < light < heavy
 
 
+def test_the_first_step_after_off_steps_is_priced_with_the_catch_up_it_pays():
+    """Drafting after off steps first catches the drafter up on what they
+    deferred; a plain step would not (served under load, such steps drafted
+    about as long as a plain step took). A tree that pays on its own stays off
+    while much is pending, and turns on where little is (after a probe caught
+    up, or while speculating, where nothing is)."""
+    def plan(pending):
+        p = policy(per_token=0.001)
+        if pending is not None:
+            for n in (256, 1024, 2048):
+                p.observe_catch_up(n, 0.0001 * n)  # 0.1 ms a token
+            p.catch_up_pending = lambda: (pending, 4096)
+        return p.predicted_ratio(16, 2), p.plan_depth(16)
+
+    (unpriced, on), (nothing, on_again) = plan(None), plan(0)
+    assert on > 0 and on_again == on and nothing == pytest.approx(unpriced)
+    (a_step, still_on), (much, off) = plan(16), plan(2048)
+    assert still_on > 0 and off == 0
+    assert unpriced > a_step > much
+    # The bound caps what is priced: the store never holds more.
+    assert plan(10**6)[0] == pytest.approx(plan(4096)[0])
+
+
 def test_probes_while_off_bring_a_stale_tree_estimate_down_at_depth_one():
     """One tree step of 8 trees that accepted nothing leaves the tree estimate
     at depth 1 near its prior (0.16); while off only chains are verified (the

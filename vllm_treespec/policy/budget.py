@@ -25,7 +25,8 @@ and decides every step:
   verified token costs, the selection often trims trees to short chains). The
   best d wins if R(d) beats 1 by a margin; otherwise speculation is off for the
   step and costs what a plain step costs: the drafter does not run at all (the
-  proposer defers its inputs and catches its KV up when drafting resumes).
+  proposer defers its inputs and catches its KV up when drafting resumes, so
+  t_draft(d) of the first step after off steps includes that catch-up).
   Now and then a step probes one level deeper than planned (``probes``:
   when; while off, never more than ``PROBE_SHARE``, 1 %, of the time at the
   batch size at hand). t(.) also carries the branching extra
@@ -167,7 +168,13 @@ class AdaptiveBudget(BudgetEstimates):
             per_level = np.array([[levels[self._tree_level_width(d)], levels[1]]
                                   for d in range(1, D + 1)])
             all_levels = per_level * np.stack([np.asarray(self.levels_at), depths - 1], 1)
-        draft = first + (self.draft_overhead(batch) or 0.0) + all_levels
+        # After off steps the drafter first catches up on what they deferred, a
+        # cost this step pays and a plain one would not: served under load, tree
+        # steps after an off stretch drafted for about as long as a plain step
+        # took (benchmarks/RESULTS.md, "Copies from other requests"). Zero while
+        # speculating (each step's first pass leaves nothing pending).
+        draft = first + (self.draft_overhead(batch) or 0.0) + self.pending_catch_up_cost() \
+            + all_levels
         gain = 1.0 + np.cumsum(np.array([self.accepted_at, self.chain_accepted_at]).T, 0)
         return gain / (verify + draft) * plain
 
@@ -247,15 +254,23 @@ class AdaptiveBudget(BudgetEstimates):
         probe = float(probe[0])
         draft = (self.first_pass_cost(batch) or 0.0) + (self.draft_overhead(batch) or 0.0)
         gap = max(probe + draft - plain, 0.0) / (self.PROBE_SHARE * plain)
-        if self.catch_up_pending is not None and self.catch_up_cost.coefficients() is not None:
-            # The probe also catches the drafter up on what the off steps until
-            # then deferred: a token a request a step, up to the store's bound.
-            pending, bound = self.catch_up_pending()
-            tokens = min(pending + batch * gap, bound)
-            gap += self.catch_up_cost(tokens) / (self.PROBE_SHARE * plain)
+        # The probe also catches the drafter up on what the off steps until then
+        # deferred: a token a request a step, up to the store's bound.
+        gap += self.pending_catch_up_cost(batch * gap) / (self.PROBE_SHARE * plain)
         # Re-examined at least every few thousand steps, whatever the estimates say.
         cap = 8 * ProbeSchedule.MAX_GAP * max(self.probes.every, 1)
         return math.ceil(min(gap, cap)) if math.isfinite(gap) else cap
+
+    def pending_catch_up_cost(self, more_tokens: float = 0.0) -> float:
+        """Seconds the next drafting step spends catching the drafter up on the
+        inputs off steps deferred for the batch at hand, with ``more_tokens``
+        deferred on top, up to the store's bound (``deferred_drafts``); 0 until
+        a catch-up has been timed or without a source of the pending count."""
+        if self.catch_up_pending is None or self.catch_up_cost.coefficients() is None:
+            return 0.0
+        pending, bound = self.catch_up_pending()
+        tokens = min(pending + more_tokens, bound)
+        return float(self.catch_up_cost(tokens)) if tokens > 0 else 0.0
 
     def select(self, scores: torch.Tensor, max_nodes: int,
                chain: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
