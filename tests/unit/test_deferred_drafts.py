@@ -160,3 +160,37 @@ def test_a_recompute_before_the_trimmed_window_replaces_it():
     assert dd.pending(["a"]) == 2
     (batch,) = dd.take(["a"], None, max_pass_tokens=64)
     assert batch.positions.tolist() == [5, 6]
+
+
+def test_a_steps_one_token_pieces_share_one_copy_without_the_chunks_rows():
+    """A decode step keeps one copy for all its requests (no tensor op a request);
+    a prefill chunk in the same step is copied on its own, so the shared copy
+    holds the one-token pieces only and trimming the chunk frees its memory."""
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([[10], list(range(40, 72)), [20]], d=16)
+    dd.defer(["a", "b", "c"], ids, pos, hid, first, last)
+    (a,), (b,), (c,) = dd._spans["a"], dd._spans["b"], dd._spans["c"]
+    assert a.step is c.step and a.step.hidden.shape == (2, 16)
+    assert b.hidden.untyped_storage().nbytes() == 32 * 16 * b.hidden.element_size()
+    hid.zero_()  # the caller's buffers are reused next step
+    ids, pos, hid, first, last = step([[11], [72], [21]], d=16)
+    dd.defer(["a", "b", "c"], ids, pos, hid, first, last)
+    (batch,) = dd.take(["c", "a", "b"], None, max_pass_tokens=64)
+    assert batch.query_lens == [2, 2, 33] and batch.rows == [0, 1, 2]
+    flat = [20, 21, 10, 11] + list(range(40, 73))
+    assert batch.positions.tolist() == flat and batch.hidden[:, 0].tolist() == flat
+    assert batch.ids.tolist() == [x + 1000 for x in flat]
+
+
+def test_one_token_pieces_of_both_widths_are_read_back_in_order():
+    """A verify step that kept one row defers it combined (width 4); decode steps
+    defer raw rows (width 8): each run reads from its own width's copies."""
+    dd = DeferredDrafts(max_tokens=100, hidden_size=4, combine=lambda h: h[:, :4] + h[:, 4:])
+    for p, d in ((10, 4), (11, 8), (12, 8), (13, 4), (14, 8)):
+        ids, pos, hid, first, last = step([[p], [p + 50]], d=d)
+        dd.defer(["a", "b"], ids, pos, hid, first, last)
+    (batch,) = dd.take(["a", "b"], None, max_pass_tokens=64)
+    assert batch.positions.tolist() == [10, 11, 12, 13, 14, 60, 61, 62, 63, 64]
+    assert batch.hidden.shape == (10, 4)
+    assert batch.hidden[:, 0].tolist() == [10, 22, 24, 13, 28, 60, 122, 124, 63, 128]
+    assert batch.query_lens == [1, 2, 1, 1, 1, 2, 1, 1]

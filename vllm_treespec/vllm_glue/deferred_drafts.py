@@ -5,8 +5,9 @@ verified, to write its own KV for them. While the adaptive budget keeps
 speculation off, that pass would be pure overhead (a plain step would not pay
 it), so the proposer skips it and *defers* its inputs here: per request, the
 drafter input ids, positions and the target's hidden states, exactly as the
-first pass would have read them (after a decode step, the raw auxiliary states,
-so that the off step runs no drafter layer at all; see ``DeferredDrafts``). The
+first pass would have read them (after a step that verified no drafts, the raw
+auxiliary states, so that the off step runs no drafter layer at all; see
+``DeferredDrafts``). The
 next step that drafts first forwards everything deferred in batched passes
 (``take``), which writes the missing drafter KV; then its own first pass runs as
 usual.
@@ -16,9 +17,9 @@ so none of this can change what is emitted; caught up, the drafts are as good as
 if the drafter had run every step. The deferred inputs are bounded: past
 ``max_tokens`` for the batch's requests, the oldest are dropped (``trim``), each
 request keeping its most recent ones. A batch that stays off for long (a wide
-batch, where speculation does not pay) then runs no drafter layer at all (only
-the fc that combines a prefill chunk's states), and a request that drafts again
-catches up a bounded recent window.
+batch, where speculation does not pay) then runs no drafter layer at all, not
+even the fc over its prefill chunks, and a request that drafts again catches up
+a bounded recent window.
 
 Known gaps (output unaffected, acceptance can be lower): positions without
 drafter KV. Those dropped above (for a request prefilled while off, possibly
@@ -40,11 +41,48 @@ class DeferredSpan:
 
     start: int
     ids: torch.Tensor      # [n] drafter input ids
-    hidden: torch.Tensor   # [n, d] combined target hidden states
+    hidden: torch.Tensor   # [n, d] target hidden states (raw or combined)
+
+    @property
+    def size(self) -> int:
+        return self.ids.shape[0]
 
     @property
     def end(self) -> int:
         return self.start + self.ids.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.hidden.shape[-1]
+
+
+@dataclasses.dataclass(slots=True)
+class StepRows:
+    """The one-token pieces of one step, copied once for all its requests."""
+
+    ids: torch.Tensor      # [k]
+    hidden: torch.Tensor   # [k, d]
+
+
+@dataclasses.dataclass(slots=True)
+class DeferredRow:
+    """The drafter input of one position: row ``row`` of a step's ``StepRows``.
+    A decode step keeps one of these a request (no tensor op per request: at
+    batch 32 the per-request copies were most of an off step's own cost)."""
+
+    start: int
+    step: StepRows
+    row: int
+
+    size = 1
+
+    @property
+    def end(self) -> int:
+        return self.start + 1
+
+    @property
+    def width(self) -> int:
+        return self.step.hidden.shape[-1]
 
 
 @dataclasses.dataclass
@@ -61,9 +99,9 @@ class CatchUpBatch:
 
 class DeferredDrafts:
     """``combine`` maps the target's raw auxiliary hidden states to the drafter's
-    input width ``hidden_size`` (EAGLE-3's fc layer). A decode step defers the
-    raw states (the off step then costs no drafter layer at all); they are
-    combined at catch-up, many rows per call."""
+    input width ``hidden_size`` (EAGLE-3's fc layer). A step that verified no
+    drafts defers the raw states (the off step then costs no drafter layer at
+    all); they are combined at catch-up, many rows per call."""
 
     def __init__(self, max_tokens: int, hidden_size: int | None = None, combine=None):
         self.max_tokens = max_tokens
@@ -87,22 +125,34 @@ class DeferredDrafts:
               hidden: torch.Tensor, first: list[int], last: list[int]) -> None:
         """Keep rows ``first[b] .. last[b]`` (inclusive) of request ``req_ids[b]``.
 
-        Each call keeps one piece per request (no copying of what is kept
-        already). A piece that starts at or before a kept one's end (the request
-        was preempted and recomputes) supersedes the kept positions from there.
+        One-row pieces (decode steps) are copied together, in one copy for the
+        step, and kept as ``DeferredRow``s; longer ones (prefill chunks) are
+        copied each on its own, so that trimming one frees its memory. A piece
+        that starts at or before a kept one's end (the request was preempted
+        and recomputes) supersedes the kept positions from there.
         """
-        pos = positions.tolist() if len(req_ids) else []
+        if not req_ids:
+            return
+        pos = positions.tolist()
+        singles = [b for b in range(len(req_ids)) if last[b] == first[b]]
+        step = None
+        if singles:
+            rows = torch.tensor([first[b] for b in singles], device=ids.device)
+            step = StepRows(ids.index_select(0, rows), hidden.index_select(0, rows))
+        at = dict(zip(singles, range(len(singles))))
         for b, req_id in enumerate(req_ids):
             lo, hi = first[b], last[b] + 1
             if hi <= lo:
                 continue
             start = int(pos[lo])
-            piece = DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone())
-            kept = self._spans.setdefault(req_id, [])
-            if kept and kept[-1].end > start:  # a recompute: keep what precedes it
-                kept[:] = [DeferredSpan(p.start, p.ids[:n], p.hidden[:n]) for p in kept
-                           if (n := min(p.end, start) - p.start) > 0]
-                self._tokens[req_id] = sum(p.ids.shape[0] for p in kept)
+            piece = DeferredRow(start, step, at[b]) if b in at else \
+                DeferredSpan(start, ids[lo:hi].clone(), hidden[lo:hi].clone())
+            kept = self._spans.get(req_id)
+            if kept is None:
+                kept = self._spans[req_id] = []
+            elif kept and kept[-1].end > start:  # a recompute: keep what precedes it
+                kept[:] = [_head(p, n) for p in kept if (n := min(p.end, start) - p.start) > 0]
+                self._tokens[req_id] = sum(p.size for p in kept)
             kept.append(piece)
             self._tokens[req_id] = self._tokens.get(req_id, 0) + (hi - lo)
 
@@ -115,18 +165,18 @@ class DeferredDrafts:
             if excess <= 0:
                 continue
             kept = self._spans[req_id]
-            while kept and excess >= kept[0].ids.shape[0]:
-                excess -= kept[0].ids.shape[0]
-                dropped += kept.pop(0).ids.shape[0]
+            while kept and excess >= kept[0].size:
+                excess -= kept[0].size
+                dropped += kept.pop(0).size
             if not kept:
                 self.forget([req_id])
                 continue
             if excess:  # copies: a view would keep the whole piece (a prefill chunk) alive
-                head = kept[0]
+                head = kept[0]  # a span: a row (size 1) went whole above
                 kept[0] = DeferredSpan(head.start + excess, head.ids[excess:].clone(),
                                        head.hidden[excess:].clone())
                 dropped += excess
-            self._tokens[req_id] = sum(p.ids.shape[0] for p in kept)
+            self._tokens[req_id] = sum(p.size for p in kept)
         return dropped
 
     def take(self, req_ids: list[str], step_start: list[int] | None,
@@ -141,10 +191,13 @@ class DeferredDrafts:
         before it, so pieces may share a pass (KV is written before attention)
         or follow in later ones.
         """
-        pieces = []  # (row, start, end, span)
-        for b, req_id in enumerate(req_ids):
+        kept = [self._spans.pop(r, ()) for r in req_ids]
+        for req_id in req_ids:
             self._tokens.pop(req_id, None)
-            for span in map(self._combined, _merged(self._spans.pop(req_id, ()))):
+        rows = RowReader([p for ps in kept for p in ps if isinstance(p, DeferredRow)])
+        pieces = []  # (row, start, end, span)
+        for b, ps in enumerate(kept):
+            for span in map(self._combined, _merged(ps, rows)):
                 end = span.end if step_start is None else min(span.end, step_start[b])
                 for lo in range(span.start, end, max_pass_tokens):
                     pieces.append((b, lo, min(lo + max_pass_tokens, end), span))
@@ -183,17 +236,69 @@ def _catch_up_batch(pieces) -> CatchUpBatch:
                         seq_lens=[hi for _, _, hi, _ in pieces])
 
 
-def _merged(pieces) -> list[DeferredSpan]:
+def _head(piece, n: int):
+    """The first ``n`` positions of a kept piece (a view: what precedes a recompute)."""
+    if n >= piece.size:
+        return piece
+    return DeferredSpan(piece.start, piece.ids[:n], piece.hidden[:n])
+
+
+class RowReader:
+    """Reads the ``DeferredRow``s of one catch-up out of their steps' copies:
+    the steps of each width (raw target states, or combined after a verify
+    step) joined once, then one index per run of rows."""
+
+    def __init__(self, rows: list[DeferredRow]):
+        steps: dict[int, StepRows] = {}
+        for r in rows:
+            steps.setdefault(id(r.step), r.step)
+        by_width: dict[int, list[StepRows]] = {}
+        rows_of: dict[int, int] = {}  # rows joined so far, per width
+        self._where: dict[int, tuple[int, int]] = {}  # step -> (width, first row)
+        for key, step in steps.items():
+            width = step.hidden.shape[-1]
+            self._where[key] = (width, rows_of.get(width, 0))
+            rows_of[width] = rows_of.get(width, 0) + step.ids.shape[0]
+            by_width.setdefault(width, []).append(step)
+        self._tables = {w: (torch.cat([s.ids for s in same]), torch.cat([s.hidden for s in same]))
+                        for w, same in by_width.items()}
+
+    def read(self, rows: list[DeferredRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of one width (``_merged`` runs never mix widths)."""
+        width = self._where[id(rows[0].step)][0]
+        ids, hidden = self._tables[width]
+        index = torch.tensor([self._where[id(r.step)][1] + r.row for r in rows],
+                             device=ids.device)
+        return ids.index_select(0, index), hidden.index_select(0, index)
+
+
+def _merged(pieces, rows: RowReader) -> list[DeferredSpan]:
     """Consecutive pieces of one width joined into one span each (one copy, at
     catch-up)."""
-    runs: list[list[DeferredSpan]] = []
+    runs: list[list] = []
     for piece in pieces:
         last = runs[-1][-1] if runs else None
-        if last is not None and last.end == piece.start and \
-                last.hidden.shape[-1] == piece.hidden.shape[-1]:
+        if last is not None and last.end == piece.start and last.width == piece.width:
             runs[-1].append(piece)
         else:
             runs.append([piece])
-    return [run[0] if len(run) == 1 else
-            DeferredSpan(run[0].start, torch.cat([p.ids for p in run]),
-                         torch.cat([p.hidden for p in run])) for run in runs]
+    return [_joined(run, rows) for run in runs]
+
+
+def _joined(run: list, rows: RowReader) -> DeferredSpan:
+    if len(run) == 1 and isinstance(run[0], DeferredSpan):
+        return run[0]
+    ids, hidden, pending = [], [], []
+    for piece in run + [None]:
+        if isinstance(piece, DeferredRow):
+            pending.append(piece)
+            continue
+        if pending:  # a run of rows: one read
+            i, h = rows.read(pending)
+            ids.append(i)
+            hidden.append(h)
+            pending = []
+        if piece is not None:
+            ids.append(piece.ids)
+            hidden.append(piece.hidden)
+    return DeferredSpan(run[0].start, torch.cat(ids), torch.cat(hidden))

@@ -153,14 +153,15 @@ class TreeEagleProposer(EagleProposer):
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
         depth = self._plan_depth(req_ids, batch_size)
         roots = next_token_ids[:batch_size]
-        if depth == 0 and self.defer_when_off and common_attn_metadata.max_query_len == 1:
-            # Off, and every request decodes one token: a plain step would not
-            # run the drafter, so neither do we. Request b's first-pass input is
-            # (its new token, its position, the target's raw states there); they
-            # wait in self.deferred, combined (fc) only at catch-up.
-            rows = list(range(batch_size))
-            self.deferred.defer(req_ids, roots, target_positions[:batch_size],
-                                target_hidden_states[:batch_size], rows, rows)
+        if depth == 0 and self.defer_when_off and self._verified_no_drafts(
+                common_attn_metadata, token_indices_to_sample):
+            # Off, and every row this step is a token the target just took: a
+            # plain step would not run the drafter, so neither do we. The
+            # first-pass inputs wait in self.deferred with the target's raw
+            # states, combined (fc) only at catch-up: requests that finish or
+            # are trimmed while off never pay it.
+            self._defer_raw(req_ids, target_token_ids, target_positions,
+                            target_hidden_states, roots, common_attn_metadata)
             return self._finish_off_step(req_ids, t0, roots)
 
         # --- first pass: stock EAGLE over the (compacted) accepted chain -----
@@ -172,8 +173,9 @@ class TreeEagleProposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         first_rows = cad.query_start_loc_cpu[:batch_size].tolist()
         if depth == 0 and self.defer_when_off:
-            # Off (prefill chunks included): a plain step would not run the
-            # drafter, so neither do we (its inputs wait in self.deferred).
+            # Off after a step that verified drafts: a plain step would not run
+            # the drafter, so neither do we (its inputs, past the rejected
+            # drafts, wait in self.deferred).
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
@@ -193,6 +195,30 @@ class TreeEagleProposer(EagleProposer):
                                step)
         return self._selected_drafts(builder, step, run, roots.long(), times,
                                      first_tokens=num_tokens, caught_up=caught_up)
+
+    def _verified_no_drafts(self, cad, token_indices_to_sample) -> bool:
+        """Whether each request's rows this step are all tokens the target took
+        (no drafts verified, so no rejected rows), in the stock EAGLE layout."""
+        stock_layout = not (getattr(self, "use_heterogeneous_vocab", False)
+                            or getattr(self, "needs_extra_input_slots", False))
+        return stock_layout and (cad.max_query_len == 1 or token_indices_to_sample is None)
+
+    def _defer_raw(self, req_ids: list[str], target_token_ids, target_positions,
+                   target_hidden, next_token_ids, cad) -> None:
+        """Defer this step's first-pass inputs as ``set_inputs_first_pass`` would
+        lay them out (each request's ids shifted by one, its next token last),
+        with the target's raw states."""
+        batch_size, n = len(req_ids), cad.num_actual_tokens
+        starts = cad.query_start_loc_cpu[:batch_size + 1].tolist()
+        last = [s - 1 for s in starts[1:]]
+        if cad.max_query_len == 1:
+            ids = next_token_ids[:batch_size]
+        else:
+            ids = torch.empty_like(target_token_ids[:n])
+            ids[:n - 1] = target_token_ids[1:n]
+            ids[torch.tensor(last, device=ids.device)] = next_token_ids[:batch_size]
+        self.deferred.defer(req_ids, ids, target_positions[:n], target_hidden[:n],
+                            starts[:-1], last)
 
     def _plan_depth(self, req_ids: list[str], batch_size: int) -> int:
         """This step's drafting depth (0: no drafts): the adaptive budget's plan,
