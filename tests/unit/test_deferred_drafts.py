@@ -194,3 +194,25 @@ def test_one_token_pieces_of_both_widths_are_read_back_in_order():
     assert batch.hidden.shape == (10, 4)
     assert batch.hidden[:, 0].tolist() == [10, 22, 24, 13, 28, 60, 122, 124, 63, 128]
     assert batch.query_lens == [1, 2, 1, 1, 1, 2, 1, 1]
+
+
+def test_step_copies_left_behind_by_finished_requests_are_compacted():
+    """A step copy lives while any of its rows is kept: after the other requests
+    of a long off stretch finish, one request's rows would keep every copy (all
+    requests' rows) alive. Past twice what is counted, the rows are copied
+    into the request's own spans and the step copies freed."""
+    dd = DeferredDrafts(max_tokens=8)
+    reqs = ["a", "b", "c", "d"]
+    for p in range(6):  # 24 rows in 6 copies
+        ids, pos, hid, first, last = step([[10 + p], [20 + p], [30 + p], [40 + p]])
+        dd.defer(reqs, ids, pos, hid, first, last)
+    assert dd.held_rows == 24 and dd.total_tokens == 24  # all counted: nothing to do
+    dd.forget(["b", "c", "d"])
+    assert dd.held_rows == 24 and dd.total_tokens == 6
+    ids, pos, hid, first, last = step([[16]])
+    dd.defer(["a"], ids, pos, hid, first, last)
+    assert dd.held_rows == 0 and dd.total_tokens == 7
+    (batch,) = dd.take(["a"], None, max_pass_tokens=64)
+    assert batch.positions.tolist() == list(range(10, 17))
+    assert batch.hidden[:, 0].tolist() == list(range(10, 17))
+    assert batch.ids.tolist() == [1000 + p for p in range(10, 17)]

@@ -16,7 +16,9 @@ Only draft quality depends on the drafter's KV (the verify step never reads it),
 so none of this can change what is emitted; caught up, the drafts are as good as
 if the drafter had run every step. The deferred inputs are bounded: past
 ``max_tokens`` for the batch's requests, the oldest are dropped (``trim``), each
-request keeping its most recent ones. A batch that stays off for long (a wide
+request keeping its most recent ones; a decode step's rows share one copy,
+and copies that finished requests left behind are compacted away (``defer``).
+A batch that stays off for long (a wide
 batch, where speculation does not pay) then runs no drafter layer at all, not
 even the fc over its prefill chunks, and a request that drafts again catches up
 a bounded recent window.
@@ -31,6 +33,7 @@ a chat's next turn) drafts against the gap until the blocks are evicted.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
@@ -56,7 +59,7 @@ class DeferredSpan:
         return self.hidden.shape[-1]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, weakref_slot=True)
 class StepRows:
     """The one-token pieces of one step, copied once for all its requests."""
 
@@ -109,6 +112,10 @@ class DeferredDrafts:
         self.combine = combine
         self._spans: dict[str, list[DeferredSpan]] = {}
         self._tokens: dict[str, int] = {}  # deferred tokens per request
+        # Rows held by live StepRows: a copy lives while any of its rows is
+        # kept, so requests that finished or caught up can leave rows behind
+        # that no one counts; past twice what is counted, ``_compact``.
+        self.held_rows = 0
 
     def __len__(self) -> int:
         return len(self._spans)
@@ -139,6 +146,8 @@ class DeferredDrafts:
         if singles:
             rows = torch.tensor([first[b] for b in singles], device=ids.device)
             step = StepRows(ids.index_select(0, rows), hidden.index_select(0, rows))
+            self.held_rows += len(singles)
+            weakref.finalize(step, self._release, len(singles))
         at = dict(zip(singles, range(len(singles))))
         for b, req_id in enumerate(req_ids):
             lo, hi = first[b], last[b] + 1
@@ -155,6 +164,20 @@ class DeferredDrafts:
                 self._tokens[req_id] = sum(p.size for p in kept)
             kept.append(piece)
             self._tokens[req_id] = self._tokens.get(req_id, 0) + (hi - lo)
+        if self.held_rows > 2 * self.max_tokens and \
+                self.held_rows > 2 * self.total_tokens:
+            self._compact()
+
+    def _release(self, rows: int) -> None:
+        self.held_rows -= rows
+
+    def _compact(self) -> None:
+        """Every request's kept rows copied into spans of its own, so that the
+        step copies other requests left behind are freed (bounded memory)."""
+        reader = RowReader([p for ps in self._spans.values() for p in ps
+                            if isinstance(p, DeferredRow)])
+        for req_id, kept in self._spans.items():
+            kept[:] = _merged(kept, reader)
 
     def trim(self, req_ids: list[str], keep: int) -> int:
         """Drop all but the ``keep`` most recent deferred tokens of each of these
