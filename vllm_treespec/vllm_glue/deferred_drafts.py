@@ -18,10 +18,9 @@ if the drafter had run every step. The deferred inputs are bounded: past
 ``max_tokens`` for the batch's requests, the oldest are dropped (``trim``), each
 request keeping its most recent ones; a decode step's rows share one copy,
 and copies that finished requests left behind are compacted away (``defer``).
-A batch that stays off for long (a wide
-batch, where speculation does not pay) then runs no drafter layer at all, not
-even the fc over its prefill chunks, and a request that drafts again catches up
-a bounded recent window.
+A batch that stays off for long (a wide batch, where speculation does not pay)
+then runs no drafter layer at all, not even the fc over its prefill chunks, and
+a request that drafts again catches up a bounded recent window.
 
 Known gaps (output unaffected, acceptance can be lower): positions without
 drafter KV. Those dropped above (for a request prefilled while off, possibly
