@@ -1,8 +1,11 @@
 """Bookkeeping of the drafter inputs deferred while speculation is off."""
 
+import gc
+import weakref
+
 import torch
 
-from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
+from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts, RowReader
 
 
 def step(req_positions: list[list[int]], d: int = 4):
@@ -216,3 +219,17 @@ def test_step_copies_left_behind_by_finished_requests_are_compacted():
     assert batch.positions.tolist() == list(range(10, 17))
     assert batch.hidden[:, 0].tolist() == list(range(10, 17))
     assert batch.ids.tolist() == [1000 + p for p in range(10, 17)]
+
+
+def test_a_discarded_store_is_freed_and_a_catch_up_reads_only_its_rows():
+    """The copies' finalizers must not keep the store alive; a catch-up of some
+    requests selects their rows, not whole step copies."""
+    dd = DeferredDrafts(max_tokens=100)
+    ids, pos, hid, first, last = step([[10], [20], [30]], d=16)
+    dd.defer(["a", "b", "c"], ids, pos, hid, first, last)
+    reader = RowReader([dd._spans["b"][0]])
+    assert reader._tables[16][1].shape == (1, 16)
+    gone = weakref.ref(dd)
+    del dd
+    gc.collect()
+    assert gone() is None

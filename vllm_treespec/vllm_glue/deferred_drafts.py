@@ -58,7 +58,7 @@ class DeferredSpan:
         return self.hidden.shape[-1]
 
 
-@dataclasses.dataclass(slots=True, weakref_slot=True)
+@dataclasses.dataclass  # no slots: a weakref finalizer counts what it holds
 class StepRows:
     """The one-token pieces of one step, copied once for all its requests."""
 
@@ -114,10 +114,14 @@ class DeferredDrafts:
         # Rows held by live StepRows: a copy lives while any of its rows is
         # kept, so requests that finished or caught up can leave rows behind
         # that no one counts; past twice what is counted, ``_compact``.
-        self.held_rows = 0
+        self._held = _HeldRows()
 
     def __len__(self) -> int:
         return len(self._spans)
+
+    @property
+    def held_rows(self) -> int:
+        return self._held.rows
 
     @property
     def total_tokens(self) -> int:
@@ -145,8 +149,8 @@ class DeferredDrafts:
         if singles:
             rows = torch.tensor([first[b] for b in singles], device=ids.device)
             step = StepRows(ids.index_select(0, rows), hidden.index_select(0, rows))
-            self.held_rows += len(singles)
-            weakref.finalize(step, self._release, len(singles))
+            self._held.rows += len(singles)
+            weakref.finalize(step, self._held.release, len(singles))
         at = dict(zip(singles, range(len(singles))))
         for b, req_id in enumerate(req_ids):
             lo, hi = first[b], last[b] + 1
@@ -166,9 +170,6 @@ class DeferredDrafts:
         if self.held_rows > 2 * self.max_tokens and \
                 self.held_rows > 2 * self.total_tokens:
             self._compact()
-
-    def _release(self, rows: int) -> None:
-        self.held_rows -= rows
 
     def _compact(self) -> None:
         """Every request's kept rows copied into spans of its own, so that the
@@ -265,31 +266,44 @@ def _head(piece, n: int):
     return DeferredSpan(piece.start, piece.ids[:n], piece.hidden[:n])
 
 
+class _HeldRows:
+    """The count step copies' finalizers release (held apart from DeferredDrafts,
+    which a finalizer would otherwise keep alive)."""
+
+    def __init__(self):
+        self.rows = 0
+
+    def release(self, rows: int) -> None:
+        self.rows -= rows
+
+
 class RowReader:
     """Reads the ``DeferredRow``s of one catch-up out of their steps' copies:
-    the steps of each width (raw target states, or combined after a verify
-    step) joined once, then one index per run of rows."""
+    the rows wanted from each step selected once (per hidden width: raw target
+    states, or combined after a verify step), then one index per run."""
 
     def __init__(self, rows: list[DeferredRow]):
-        steps: dict[int, StepRows] = {}
+        wanted: dict[int, tuple[StepRows, list[int]]] = {}
         for r in rows:
-            steps.setdefault(id(r.step), r.step)
-        by_width: dict[int, list[StepRows]] = {}
-        rows_of: dict[int, int] = {}  # rows joined so far, per width
-        self._where: dict[int, tuple[int, int]] = {}  # step -> (width, first row)
-        for key, step in steps.items():
+            wanted.setdefault(id(r.step), (r.step, []))[1].append(r.row)
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        joined: dict[int, int] = {}  # rows selected so far, per width
+        self._where: dict[tuple[int, int], int] = {}  # (step, row) -> index in its width's table
+        for key, (step, picked) in wanted.items():
             width = step.hidden.shape[-1]
-            self._where[key] = (width, rows_of.get(width, 0))
-            rows_of[width] = rows_of.get(width, 0) + step.ids.shape[0]
-            by_width.setdefault(width, []).append(step)
-        self._tables = {w: (torch.cat([s.ids for s in same]), torch.cat([s.hidden for s in same]))
-                        for w, same in by_width.items()}
+            at = joined.get(width, 0)
+            self._where.update(((key, row), at + k) for k, row in enumerate(picked))
+            joined[width] = at + len(picked)
+            index = torch.tensor(picked, device=step.ids.device)
+            parts.setdefault(width, []).append((step.ids.index_select(0, index),
+                                                step.hidden.index_select(0, index)))
+        self._tables = {w: (torch.cat([i for i, _ in p]), torch.cat([h for _, h in p]))
+                        for w, p in parts.items()}
 
     def read(self, rows: list[DeferredRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of one width (``_merged`` runs never mix widths)."""
-        width = self._where[id(rows[0].step)][0]
-        ids, hidden = self._tables[width]
-        index = torch.tensor([self._where[id(r.step)][1] + r.row for r in rows],
+        ids, hidden = self._tables[rows[0].width]
+        index = torch.tensor([self._where[(id(r.step), r.row)] for r in rows],
                              device=ids.device)
         return ids.index_select(0, index), hidden.index_select(0, index)
 
