@@ -69,8 +69,9 @@ class StepRows:
 @dataclasses.dataclass(slots=True)
 class DeferredRow:
     """The drafter input of one position: row ``row`` of a step's ``StepRows``.
-    A decode step keeps one of these a request (no tensor op per request: at
-    batch 32 the per-request copies were most of an off step's own cost)."""
+    A decode step keeps one of these a request (no tensor op per request: two
+    clones a request were one of an off step's largest costs of our own,
+    benchmarks/RESULTS.md, "Copies from other requests")."""
 
     start: int
     step: StepRows

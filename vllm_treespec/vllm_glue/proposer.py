@@ -173,9 +173,9 @@ class TreeEagleProposer(EagleProposer):
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         first_rows = cad.query_start_loc_cpu[:batch_size].tolist()
         if depth == 0 and self.defer_when_off:
-            # Off after a step that verified drafts: a plain step would not run
-            # the drafter, so neither do we (its inputs, past the rejected
-            # drafts, wait in self.deferred).
+            # Off after a step that verified drafts (or outside the stock EAGLE
+            # layout): a plain step would not run the drafter, so neither do we
+            # (its inputs, past the rejected drafts, wait in self.deferred).
             self.deferred.defer(req_ids, self.input_ids[:num_tokens],
                                 self._get_positions(num_tokens), self.hidden_states[:num_tokens],
                                 first_rows, token_indices_to_sample.tolist())
