@@ -238,14 +238,100 @@ def test_other_requests_copies_are_priced_learned_and_counted_apart():
     assert sources == [EAGLE | COPY, OTHER, COPY, OTHER, COPY, COPY]
     tree = ProposedTree(tokens, parents, probs, sources, branches)
     other_node = tokens.index(11) + 1
-    before = source.other_estimates.estimates(2, 2).copy()
+    before = source.other_estimates.of(None).estimates(2, 2).copy()
     own_before = source.estimates.estimates(2, 4).copy()
-    counts = source.observe([tree], [[other_node, other_node + 2]])
+    counts = source.observe([tree], [[other_node, other_node + 2]], ["b"])
     assert counts == (0, 2, 0)  # own history, other requests, both
-    assert (source.other_estimates.estimates(2, 2) > before).all()
+    assert (source.other_estimates.of(None).estimates(2, 2) > before).all()
     assert (source.estimates.estimates(2, 4) < own_before).all()  # its own copy missed
     assert source.estimates_of(CopyDraft((11, 12), 2, OTHER)).tolist() == \
-        source.other_estimates.estimates(2, 2).tolist()
+        source.other_estimates.of(None).estimates(2, 2).tolist()
+
+
+def _accepted_other_copy(source, req_id: str, tenant):
+    """Verify ``req_id``'s lookup: its copy of (7, 8) from ``tenant``'s outputs,
+    both tokens accepted."""
+    from vllm_treespec.tree.copy_drafts import OTHER, CopyDraft
+    from vllm_treespec.tree.proposed import ProposedTree
+
+    copy = CopyDraft((7, 8), 2, OTHER, tenant)
+    tree = ProposedTree(*source.grafted([], [], [], [copy], [2], max_nodes=8, max_children=4))
+    return source.observe([tree], [[1, 2]], [req_id])
+
+
+@pytest.mark.parametrize("isolated", [True, False])
+def test_one_tenants_accepted_copies_never_price_anothers(isolated, monkeypatch):
+    """Copies from other requests are priced by their tenant's own estimates:
+    alice's accepted copies make alice's surer and leave bob's at the prior.
+    Negative control: one estimate for every tenant fails the check."""
+    from vllm_treespec.policy.copy_estimates import TenantAcceptance
+    from vllm_treespec.tree.copy_drafts import OTHER, CopyDraft
+
+    if not isolated:
+        shared = CopyAcceptance(4, 4)
+        monkeypatch.setattr(TenantAcceptance, "of", lambda self, tenant: shared)
+    source = _cross_request_source()
+    source.admit({"a": "alice", "b": "bob"})
+    prior = source.estimates_of(CopyDraft((7, 8), 2, OTHER, "bob")).copy()
+    for _ in range(5):
+        assert _accepted_other_copy(source, "a", "alice") == (0, 2, 0)
+    alice = source.estimates_of(CopyDraft((7, 8), 2, OTHER, "alice"))
+    bob = source.estimates_of(CopyDraft((7, 8), 2, OTHER, "bob"))
+    assert (alice > prior).all()
+    if isolated:
+        assert bob.tolist() == prior.tolist()
+    else:
+        assert (bob > prior).all()
+
+
+def test_the_tenants_estimates_are_bounded(monkeypatch):
+    from vllm_treespec.policy.copy_estimates import TenantAcceptance
+
+    monkeypatch.setattr(TenantAcceptance, "MAX_TENANTS", 2)
+    est = TenantAcceptance(4, 4)
+    alice = est.of("alice")
+    est.of("bob"), est.of("alice"), est.of("carol")  # bob least recently used: out
+    assert est.of("alice") is alice and len(est._of) == 2 and "bob" not in est._of
+
+
+def test_the_lookup_gate_backs_off_while_dry_and_opens_on_an_accepted_token():
+    from vllm_treespec.policy.copy_estimates import LookupGate
+
+    gate = LookupGate()
+    looked = []
+    for step in range(200):
+        if gate.open():
+            looked.append(step)
+            gate.looked()
+    # PATIENCE lookups every step, then gaps of 2, 4, 8 and MAX_GAP from there on
+    p, m = LookupGate.PATIENCE, LookupGate.MAX_GAP
+    assert looked[:p + 1] == list(range(p + 1))
+    gaps = np.diff(looked[p:]).tolist()
+    assert gaps[:4] == [2, 4, 8, 16] and set(gaps[3:]) == {m}
+    gate.accepted()
+    assert all(gate.open() for _ in range(3))
+
+
+def test_a_request_whose_other_copies_do_not_pay_looks_up_ever_more_rarely():
+    """A request whose store copies are never accepted stops looking every
+    step; one whose copies are accepted keeps looking every step; the gate is
+    the request's own and leaves with it."""
+    from vllm_treespec.policy.copy_estimates import LookupGate
+
+    source = _cross_request_source()
+    source.admit({"done": None, "dry": None, "paid": None})
+    source.file_finished("done", None, [5, 6, 7, 8, 9])
+    looked = {"dry": 0, "paid": 0}
+    steps = 100
+    for _ in range(steps):
+        for req_id in looked:
+            found, _ = source.find(np.array([[3, 5, 6]]), np.array([3]), [6], [req_id])
+            looked[req_id] += bool(found[0])
+        _accepted_other_copy(source, "paid", None)
+    assert looked["paid"] == steps
+    assert looked["dry"] < LookupGate.PATIENCE + steps / LookupGate.MAX_GAP + 4
+    source.drop("dry")
+    assert "dry" not in source.gates and "dry" not in source.tenants
 
 
 def test_the_scheduler_names_each_new_requests_tenant():

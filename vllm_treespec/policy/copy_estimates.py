@@ -10,10 +10,16 @@ so a branch's best nodes are a prefix of it, as the selection needs).
 
 Nothing here sees the drafter: EAGLE nodes keep their own calibration
 (``estimates``), and a node both sources proposed is priced by the higher.
-Pure numpy.
+
+Copies from other requests are learned per tenant (``TenantAcceptance``): how
+often one tenant's copies were accepted never prices another's. Whether a
+request looks them up at all is ``LookupGate``'s call. Pure numpy.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -52,3 +58,62 @@ class CopyAcceptance:
     def forget(self) -> None:
         """A step that found copies and verified none of them."""
         self.cond += self.FORGET * (self.PRIOR - self.cond)
+
+
+class TenantAcceptance:
+    """One ``CopyAcceptance`` per tenant, for copies from other requests: a
+    tenant whose requests repeat each other makes no other tenant's copies look
+    surer (and so no other tenant faster). At most ``MAX_TENANTS`` are kept,
+    the least recently used out; a tenant seen again starts from the prior."""
+    MAX_TENANTS = 4096  # two [5, 8] float arrays each: about 3 MB in all
+
+    def __init__(self, max_match: int, max_length: int):
+        self._shape = (max_match, max_length)
+        self._of: OrderedDict[Hashable, CopyAcceptance] = OrderedDict()
+
+    def of(self, tenant: Hashable) -> CopyAcceptance:
+        est = self._of.get(tenant)
+        if est is None:
+            est = self._of[tenant] = CopyAcceptance(*self._shape)
+            if len(self._of) > self.MAX_TENANTS:
+                self._of.popitem(last=False)
+        else:
+            self._of.move_to_end(tenant)
+        return est
+
+
+class LookupGate:
+    """When one request looks up copies from other requests: every drafting
+    step while they pay, ever more rarely while they do not.
+
+    After ``PATIENCE`` lookups in a row without a token of theirs accepted, the
+    gap to the next lookup doubles with each dry one, up to ``MAX_GAP`` steps; an
+    accepted token closes the gap again. A copy from another request runs until
+    the two texts part, and they seldom meet again, while every lookup costs
+    host time and every copy it grafts costs verified nodes (on turns that do
+    not repeat each other: benchmarks/RESULTS.md, "Copies from other
+    requests"). Text that turns repetitive later is found within ``MAX_GAP``
+    steps."""
+    PATIENCE = 16
+    MAX_GAP = 16
+
+    def __init__(self):
+        self.dry = 0      # lookups since one of theirs was accepted
+        self.gap = 1      # drafting steps from one lookup to the next
+        self._wait = 0    # steps still to skip
+
+    def open(self) -> bool:
+        """Whether this drafting step looks up (call once a step)."""
+        if self._wait:
+            self._wait -= 1
+            return False
+        return True
+
+    def looked(self) -> None:
+        self.dry += 1
+        if self.dry > self.PATIENCE:
+            self.gap = min(2 * self.gap, self.MAX_GAP)
+            self._wait = self.gap - 1
+
+    def accepted(self) -> None:
+        self.dry, self.gap, self._wait = 0, 1, 0

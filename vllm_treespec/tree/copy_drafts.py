@@ -27,6 +27,7 @@ Pure numpy / lists; no vLLM import.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable
 
 import numpy as np
 
@@ -41,6 +42,7 @@ class CopyDraft:
     tokens: tuple[int, ...]  # the continuation, first token after the root
     match: int               # how many history tokens before it matched
     source: int = COPY       # COPY (own history) or OTHER (other requests)
+    tenant: Hashable = None  # OTHER: the tenant whose outputs it came from
 
 
 def copy_continuations(history, max_ngram: int = 4, min_ngram: int = 2, length: int = 8,

@@ -21,7 +21,9 @@ With ``cross_request_tokens``, a request's last tokens are also looked up in
 the outputs of finished requests of its tenant (``tree.shared_suffixes``; the
 tenant is vLLM's ``cache_salt``, which the scheduler hands the runner with each
 new request: ``scheduling.attach_tenants``); those copies are grafted beside the
-request's own (``OTHER`` nodes) and priced by their own live estimate.
+request's own (``OTHER`` nodes) and priced by their tenant's own live estimate
+(``TenantAcceptance``). A request whose lookups stop paying looks up ever more
+rarely (``LookupGate``).
 
 The drafter's KV stays complete whatever source the accepted tokens came from:
 its next first pass runs over every accepted token (stock EAGLE's catch-up of
@@ -34,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from vllm_treespec.policy.copy_estimates import CopyAcceptance
+from vllm_treespec.policy.copy_estimates import CopyAcceptance, LookupGate, TenantAcceptance
 from vllm_treespec.tree.accept import Outcome
 from vllm_treespec.tree.copy_drafts import (
     COPY, EAGLE, OTHER, CopyDraft, accepted_along, copy_continuations, graft, prune)
@@ -57,12 +59,14 @@ class CopySource:
                  file_prompts: bool = False, window: int = HISTORY_WINDOW):
         self.branches, self.length, self.window = branches, length, window
         self.estimates = CopyAcceptance(MAX_NGRAM, length)
-        # Copies from other requests: the store, their own estimates, each
-        # running request's tenant, and whether prompts are filed with outputs.
+        # Copies from other requests: the store, their estimates per tenant,
+        # each running request's tenant and lookup gate, and whether prompts
+        # are filed with outputs.
         self.shared = shared
-        self.other_estimates = CopyAcceptance(MAX_NGRAM, length)
+        self.other_estimates = TenantAcceptance(MAX_NGRAM, length)
         self.file_prompts = file_prompts
         self.tenants: dict[str, Tenant] = {}
+        self.gates: dict[str, LookupGate] = {}
         # This step's emitted tokens per batch row ([B, width], -1 padded) and
         # each row's token count when they were sampled (``sampled``).
         self._emitted: list[list[int]] = []
@@ -83,11 +87,16 @@ class CopySource:
         into the store under its tenant, its last ``FILED_TOKENS`` tokens (filing
         is linear in the length, on the step that learns the request finished);
         a request of unknown tenant files nothing."""
-        tenant = self.tenants.pop(req_id, UNKNOWN)
+        tenant = self.drop(req_id)
         if self.shared is None or tenant is UNKNOWN:
             return
         text = [*(prompt if self.file_prompts and prompt is not None else ()), *output]
         self.shared.add(tenant, text[-FILED_TOKENS:])
+
+    def drop(self, req_id: str) -> Tenant:
+        """Forget a request that left the batch; returns its tenant (or ``UNKNOWN``)."""
+        self.gates.pop(req_id, None)
+        return self.tenants.pop(req_id, UNKNOWN)
 
     def find(self, token_ids: np.ndarray, num_tokens: np.ndarray, roots: list[int],
              req_ids: Sequence[str] = ()) -> tuple[list[list[CopyDraft]], int]:
@@ -106,24 +115,31 @@ class CopySource:
                 out.append([])
                 continue
             own = copy_continuations(history, MAX_NGRAM, MIN_NGRAM, self.length, self.branches)
-            tenant = self.tenants.get(req_ids[b], UNKNOWN) if b < len(req_ids) else UNKNOWN
-            out.append(own + self._others(tenant, history, own))
+            req_id = req_ids[b] if b < len(req_ids) else None
+            out.append(own + self._others(req_id, history, own))
         self._emitted = []
         return out, mismatches
 
-    def _others(self, tenant, history: np.ndarray, own: list[CopyDraft]) -> list[CopyDraft]:
-        """Copies from the tenant's finished requests, less those the request's
-        own copies already verify (a prefix of one)."""
+    def _others(self, req_id: str | None, history: np.ndarray,
+                own: list[CopyDraft]) -> list[CopyDraft]:
+        """Copies from the request's tenant's finished requests, less those the
+        request's own copies already verify (a prefix of one); none on a step
+        its gate skips."""
+        tenant = self.tenants.get(req_id, UNKNOWN)
         if self.shared is None or tenant is UNKNOWN:
             return []
-        return [CopyDraft(d.tokens, d.match, OTHER)
+        gate = self.gates.setdefault(req_id, LookupGate())
+        if not gate.open():
+            return []
+        gate.looked()
+        return [CopyDraft(d.tokens, d.match, OTHER, tenant)
                 for d in self.shared.find(tenant, history, self.branches)
                 if not any(k.tokens[:len(d.tokens)] == d.tokens for k in own)]
 
     def estimates_of(self, draft: CopyDraft, tokens: int | None = None) -> np.ndarray:
         """A copy's live acceptance estimates (of its first ``tokens``; default
-        all), by its source."""
-        est = self.other_estimates if draft.source == OTHER else self.estimates
+        all), by its source (and tenant)."""
+        est = self.other_estimates.of(draft.tenant) if draft.source == OTHER else self.estimates
         return est.estimates(draft.match, len(draft.tokens) if tokens is None else tokens)
 
     def lengths(self, copies: list[list[CopyDraft]], policy, base_gain: float,
@@ -159,7 +175,8 @@ class CopySource:
                         for row in q]
         if not any(k for row in kept for k in row):
             self.estimates.forget()
-            self.other_estimates.forget()
+            for tenant in {c.tenant for cs in copies for c in cs if c.source == OTHER}:
+                self.other_estimates.of(tenant).forget()
         return kept
 
     def grafted(self, tokens: list[int], parents: list[int], probs: list[float],
@@ -185,25 +202,37 @@ class CopySource:
         return (g.tokens, g.parents, new_probs, g.sources,
                 [(c.match, nodes, c.source) for c, nodes in zip(copies, g.branches)])
 
-    def observe(self, trees, paths: list[list[int]]) -> tuple[int, int, int]:
-        """Verified trees (``ProposedTree``s) and their accepted paths (node ids
-        from the first accepted draft): learn each branch's acceptance; returns
-        the tokens accepted from nodes only copies proposed, one of them from the
-        request's own history; from nodes only other requests' copies proposed;
-        and from nodes the drafter and a copy both proposed."""
+    def observe(self, trees, paths: list[list[int]],
+                req_ids: Sequence[str]) -> tuple[int, int, int]:
+        """Verified trees (``ProposedTree``s) of the requests ``req_ids`` and
+        their accepted paths (node ids from the first accepted draft): learn
+        each branch's acceptance; returns the tokens accepted from nodes only
+        copies proposed, one of them from the request's own history; from nodes
+        only other requests' copies proposed; and from nodes the drafter and a
+        copy both proposed."""
         own = other = both = 0
-        for tree, path in zip(trees, paths):
+        for tree, path, req_id in zip(trees, paths, req_ids):
             if not tree.branches:
                 continue
+            tenant = self.tenants.get(req_id, UNKNOWN)
             for match, nodes, source in tree.branches:
-                est = self.other_estimates if source == OTHER else self.estimates
+                if source != OTHER:
+                    est = self.estimates
+                elif tenant is not UNKNOWN:
+                    est = self.other_estimates.of(tenant)
+                else:  # never grafted: a request of unknown tenant gets no OTHER copies
+                    continue
                 if nodes:
                     est.observe(match, len(nodes), accepted_along(path, nodes))
+            store_paid = False  # a token the store proposed, alone or not, accepted
             for node in path:
                 src = tree.sources[node - 1]
                 own += src & (EAGLE | COPY) == COPY
                 other += src == OTHER
                 both += src & EAGLE and src != EAGLE
+                store_paid |= bool(src & OTHER)
+            if store_paid and req_id in self.gates:
+                self.gates[req_id].accepted()
         return own, other, both
 
 

@@ -168,7 +168,7 @@ class TreeRunnerMixin(StepCostCalibration):
         for req_id in sorted(scheduler_output.finished_req_ids):
             state = self.requests.get(req_id)
             if state is None:
-                copies.tenants.pop(req_id, None)
+                copies.drop(req_id)
             else:
                 copies.file_finished(req_id, state.prompt_token_ids, state.output_token_ids)
         copies.admit(getattr(scheduler_output, "tree_tenants", None) or {})
@@ -337,7 +337,8 @@ class TreeRunnerMixin(StepCostCalibration):
         drafter's own nodes accepted (``copy_source.eagle_outcome``)."""
         copies = self.drafter.copies
         paths = [p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
-        self.tree_metrics.on_copies(*copies.observe(step.proposed, paths))
+        req_ids = [self.input_batch.req_ids[i] for i in step.req_index.tolist()]
+        self.tree_metrics.on_copies(*copies.observe(step.proposed, paths, req_ids))
         return eagle_outcome(outcome, step.proposed, paths)
 
     def _commit(self, step: VerifyStep, acc) -> None:
