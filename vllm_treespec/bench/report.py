@@ -53,6 +53,21 @@ def per_depth(before: dict, after: dict) -> tuple[list[float], float | None]:
     return [], None
 
 
+SOURCES = ("drafter", "copy", "other_requests", "both")
+
+
+def accepted_by_source(before: dict, after: dict) -> dict[str, float]:
+    """Accepted drafts by source between two /metrics scrapes (observability's
+    ``accepted_tokens_total``), and the cross-request store's lookups and hits."""
+    d = lambda name, label="": sum(after[k] - before.get(k, 0.0)  # noqa: E731
+                                   for k in _series(after, name, label))
+    out = {src: d("vllm_treespec:accepted_tokens_total", f'source="{src}"') for src in SOURCES}
+    for key in ("cross_request_lookups", "cross_request_hits"):
+        name = f"vllm_treespec:{key}_total"
+        out[key] = metric_sum(after, name) - metric_sum(before, name)
+    return out
+
+
 STAGES = ("draft", "prepare", "verify_forward", "accept", "commit")
 
 

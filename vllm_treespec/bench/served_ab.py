@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_treespec.assets import ensure_assets, ensure_tp_pair
     from vllm_treespec.bench import slug, pangu240, parse_method, split_methods
     from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
-    from vllm_treespec.bench.report import mean, pct, per_depth, stage_breakdown
+    from vllm_treespec.bench.report import (
+        accepted_by_source, mean, pct, per_depth, stage_breakdown)
     from vllm_treespec.bench.server import Server
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -234,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
             summary["methods"][label]["tree_steps"] = {
                 "trees": trees, "mean_tree_size": size, "per_depth_acceptance": depth,
                 "decode_ms_per_step": None if decode_s is None else 1e3 * decode_s / trees,
-                "stage_ms_per_tree": {k: 1e3 * v / trees for k, v in stages["seconds"].items()}}
+                "stage_ms_per_tree": {k: 1e3 * v / trees for k, v in stages["seconds"].items()},
+                "accepted_by_source": accepted_by_source(before[label], after[label])}
     (out / "served_ab.json").write_text(json.dumps(summary, indent=1))
     print(table(summary, first))
     print(step_table(summary))
@@ -256,19 +258,26 @@ def table(summary: dict, first: str) -> str:
 
 def step_table(summary: dict) -> str:
     """What a tree step costs, per tree method (empty without one)."""
+    from vllm_treespec.bench.report import SOURCES
+
     rows = [(label, m["tree_steps"]) for label, m in summary["methods"].items()
             if "tree_steps" in m]
     if not rows:
         return ""
     lines = ["| method | trees | nodes | decode ms / step | draft ms / tree "
-             "| verify forward ms / tree | per-depth acceptance |",
-             "|---|---|---|---|---|---|---|"]
+             "| verify forward ms / tree | per-depth acceptance "
+             "| accepted: drafter / copy / other requests / both | store lookups |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for label, t in rows:
         st, step = t["stage_ms_per_tree"], t["decode_ms_per_step"]
+        src = t.get("accepted_by_source")  # absent in runs before it was recorded
         lines.append(f"| {label} | {t['trees']:.0f} | {t['mean_tree_size']:.2f} | "
                      f"{'–' if step is None else f'{step:.2f}'} | {st['draft']:.2f} | "
                      f"{st['verify_forward']:.2f} | "
-                     f"{' / '.join(f'{a:.2f}' for a in t['per_depth_acceptance'])} |")
+                     f"{' / '.join(f'{a:.2f}' for a in t['per_depth_acceptance'])} | "
+                     + ("– | – |" if src is None else
+                        f"{' / '.join(f'{src[k]:.0f}' for k in SOURCES)} | "
+                        f"{src['cross_request_lookups']:.0f} |"))
     return "\n".join(lines)
 
 
