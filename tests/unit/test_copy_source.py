@@ -248,14 +248,15 @@ def test_other_requests_copies_are_priced_learned_and_counted_apart():
         source.other_estimates.of(None).estimates(2, 2).tolist()
 
 
-def _accepted_other_copy(source, req_id: str, tenant):
+def _accepted_other_copy(source, req_id: str, tenant, drafted: bool = False):
     """Verify ``req_id``'s lookup: its copy of (7, 8) from ``tenant``'s outputs,
-    both tokens accepted."""
+    both tokens accepted (``drafted``: the drafter proposed them too)."""
     from vllm_treespec.tree.copy_drafts import OTHER, CopyDraft
     from vllm_treespec.tree.proposed import ProposedTree
 
     copy = CopyDraft((7, 8), 2, OTHER, tenant)
-    tree = ProposedTree(*source.grafted([], [], [], [copy], [2], max_nodes=8, max_children=4))
+    drafts = ([7, 8], [0, 1], [0.5, 0.4]) if drafted else ([], [], [])
+    tree = ProposedTree(*source.grafted(*drafts, [copy], [2], max_nodes=8, max_children=4))
     return source.observe([tree], [[1, 2]], [req_id])
 
 
@@ -314,22 +315,25 @@ def test_the_lookup_gate_backs_off_while_dry_and_opens_on_an_accepted_token():
 
 def test_a_request_whose_other_copies_do_not_pay_looks_up_ever_more_rarely():
     """A request whose store copies are never accepted stops looking every
-    step; one whose copies are accepted keeps looking every step; the gate is
-    the request's own and leaves with it."""
+    step, as does one whose accepted store tokens the drafter proposed too
+    (the store added nothing); one whose copies alone are accepted keeps
+    looking every step; the gate is the request's own and leaves with it."""
     from vllm_treespec.policy.copy_estimates import LookupGate
 
     source = _cross_request_source()
-    source.admit({"done": None, "dry": None, "paid": None})
+    source.admit({"done": None, "dry": None, "echo": None, "paid": None})
     source.file_finished("done", None, [5, 6, 7, 8, 9])
-    looked = {"dry": 0, "paid": 0}
+    looked = {"dry": 0, "echo": 0, "paid": 0}
     steps = 100
     for _ in range(steps):
         for req_id in looked:
             found, _ = source.find(np.array([[3, 5, 6]]), np.array([3]), [6], [req_id])
             looked[req_id] += bool(found[0])
+        assert _accepted_other_copy(source, "echo", None, drafted=True) == (0, 0, 2)
         _accepted_other_copy(source, "paid", None)
     assert looked["paid"] == steps
-    assert looked["dry"] < LookupGate.PATIENCE + steps / LookupGate.MAX_GAP + 4
+    rarely = LookupGate.PATIENCE + steps / LookupGate.MAX_GAP + 4
+    assert looked["dry"] < rarely and looked["echo"] < rarely
     source.drop("dry")
     assert "dry" not in source.gates and "dry" not in source.tenants
 

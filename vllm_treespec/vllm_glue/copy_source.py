@@ -224,14 +224,16 @@ class CopySource:
                     continue
                 if nodes:
                     est.observe(match, len(nodes), accepted_along(path, nodes))
-            store_paid = False  # a token the store proposed, alone or not, accepted
+            from_store = 0
             for node in path:
                 src = tree.sources[node - 1]
                 own += src & (EAGLE | COPY) == COPY
-                other += src == OTHER
+                from_store += src == OTHER
                 both += src & EAGLE and src != EAGLE
-                store_paid |= bool(src & OTHER)
-            if store_paid and req_id in self.gates:
+            other += from_store
+            # Only a token no other source proposed pays for the lookup: copies
+            # that repeat the drafter's nodes are common and add nothing.
+            if from_store and req_id in self.gates:
                 self.gates[req_id].accepted()
         return own, other, both
 
