@@ -285,6 +285,35 @@ def test_one_tenants_accepted_copies_never_price_anothers(isolated, monkeypatch)
         assert (bob > prior).all()
 
 
+class _Threshold:
+    """A policy whose copy threshold is fixed (what ``CopySource.lengths`` reads)."""
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def copy_threshold(self, q, base_gain, base_nodes, batch, branching=False):
+        return self.threshold, 1.0
+
+
+def test_a_tenant_forgets_when_its_own_copies_were_priced_out():
+    """Copies found and none kept drift back towards the prior, per tenant:
+    bob's, priced out, drift although alice's were kept in the same step;
+    alice's kept ones do not."""
+    from vllm_treespec.tree.copy_drafts import OTHER, CopyDraft
+
+    source = _cross_request_source()
+    for tenant, accepted in (("alice", 2), ("bob", 0)):
+        for _ in range(10):
+            source.other_estimates.of(tenant).observe(2, 2, accepted)
+    alice, bob = CopyDraft((7, 8), 2, OTHER, "alice"), CopyDraft((7, 8), 2, OTHER, "bob")
+    a0, b0 = source.estimates_of(alice).copy(), source.estimates_of(bob).copy()
+    threshold = (a0[0] + b0[0]) / 2  # alice's first token kept, bob's not
+    kept = source.lengths([[alice], [bob]], _Threshold(threshold), 0.0, 0, True)
+    assert kept[0][0] >= 1 and kept[1] == [0]
+    assert source.estimates_of(alice).tolist() == a0.tolist()
+    assert (source.estimates_of(bob) > b0).all()
+
+
 def test_the_tenants_estimates_are_bounded(monkeypatch):
     from vllm_treespec.policy.copy_estimates import TenantAcceptance
 
@@ -306,8 +335,8 @@ def test_the_lookup_gate_backs_off_while_dry_and_opens_on_an_accepted_token():
             gate.looked()
     # PATIENCE lookups every step, then gaps of 2, 4, 8 and MAX_GAP from there on
     p, m = LookupGate.PATIENCE, LookupGate.MAX_GAP
-    assert looked[:p + 1] == list(range(p + 1))
-    gaps = np.diff(looked[p:]).tolist()
+    assert looked[:p] == list(range(p))
+    gaps = np.diff(looked[p - 1:]).tolist()
     assert gaps[:4] == [2, 4, 8, 16] and set(gaps[3:]) == {m}
     gate.accepted()
     assert all(gate.open() for _ in range(3))

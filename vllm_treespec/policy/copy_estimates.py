@@ -65,7 +65,7 @@ class TenantAcceptance:
     tenant whose requests repeat each other makes no other tenant's copies look
     surer (and so no other tenant faster). At most ``MAX_TENANTS`` are kept,
     the least recently used out; a tenant seen again starts from the prior."""
-    MAX_TENANTS = 4096  # two [5, 8] float arrays each: about 3 MB in all
+    MAX_TENANTS = 4096  # two [5, copy_length] float arrays each: a few MB in all
 
     def __init__(self, max_match: int, max_length: int):
         self._shape = (max_match, max_length)
@@ -91,10 +91,10 @@ class LookupGate:
     the gap to the next lookup doubles with each dry one, up to ``MAX_GAP``
     steps; such a token closes the gap again. A copy from another request runs
     until the two texts part, and they seldom meet again, while every lookup
-    costs host time and every copy it grafts costs verified nodes. Side by side
-    the gate cut lookups by half or more and kept most of the accepted tokens
-    (benchmarks/RESULTS.md, "Copies from other requests"). Text that turns
-    repetitive later is found within ``MAX_GAP`` steps."""
+    costs host time and every copy it grafts costs verified nodes (side by
+    side, with and without the gate: benchmarks/RESULTS.md, "Copies from other
+    requests"). Text that turns repetitive later is found within ``MAX_GAP``
+    steps."""
     PATIENCE = 16
     MAX_GAP = 16
 
@@ -112,7 +112,7 @@ class LookupGate:
 
     def looked(self) -> None:
         self.dry += 1
-        if self.dry > self.PATIENCE:
+        if self.dry >= self.PATIENCE:
             self.gap = min(2 * self.gap, self.MAX_GAP)
             self._wait = self.gap - 1
 

@@ -94,7 +94,7 @@ class CopySource:
         self.shared.add(tenant, text[-FILED_TOKENS:])
 
     def drop(self, req_id: str) -> Tenant:
-        """Forget a request that left the batch; returns its tenant (or ``UNKNOWN``)."""
+        """Forget a request that finished; returns its tenant (or ``UNKNOWN``)."""
         self.gates.pop(req_id, None)
         return self.tenants.pop(req_id, UNKNOWN)
 
@@ -175,7 +175,16 @@ class CopySource:
                         for row in q]
         if not any(k for row in kept for k in row):
             self.estimates.forget()
-            for tenant in {c.tenant for cs in copies for c in cs if c.source == OTHER}:
+        # A tenant none of whose copies were kept forgets, whatever other
+        # tenants' did (in the batch's order: every tensor-parallel rank must
+        # keep the same least-recently-used order, and a set's order is not).
+        kept_by = {}
+        for cs, ks in zip(copies, kept):
+            for c, k in zip(cs, ks):
+                if c.source == OTHER:
+                    kept_by[c.tenant] = kept_by.get(c.tenant, False) or k > 0
+        for tenant, any_kept in kept_by.items():
+            if not any_kept:
                 self.other_estimates.of(tenant).forget()
         return kept
 
@@ -211,7 +220,7 @@ class CopySource:
         only other requests' copies proposed; and from nodes the drafter and a
         copy both proposed."""
         own = other = both = 0
-        for tree, path, req_id in zip(trees, paths, req_ids):
+        for tree, path, req_id in zip(trees, paths, req_ids, strict=True):
             if not tree.branches:
                 continue
             tenant = self.tenants.get(req_id, UNKNOWN)
