@@ -25,6 +25,11 @@ def _series(metrics: dict, name: str, label: str) -> list[str]:
     return [k for k in metrics if k.startswith(name + "{") and label in k]
 
 
+def _series_delta(before: dict, after: dict, name: str, label: str) -> float:
+    """How much ``name``'s samples that carry ``label`` grew between two scrapes."""
+    return sum(after[k] - before.get(k, 0.0) for k in _series(after, name, label))
+
+
 def per_depth(before: dict, after: dict) -> tuple[list[float], float | None]:
     """(per-depth acceptance, mean tree size) between two /metrics scrapes."""
     d = lambda name: metric_sum(after, name) - metric_sum(before, name)  # noqa: E731
@@ -32,21 +37,20 @@ def per_depth(before: dict, after: dict) -> tuple[list[float], float | None]:
     if trees > 0:
         rates, depth = [], 1
         while True:
-            keys = _series(after, "vllm_treespec:accepted_at_depth_total", f'depth="{depth}"')
-            if not keys:
+            name, label = "vllm_treespec:accepted_at_depth_total", f'depth="{depth}"'
+            if not _series(after, name, label):
                 break
-            rates.append(sum(after[k] - before.get(k, 0.0) for k in keys) / trees)
+            rates.append(_series_delta(before, after, name, label) / trees)
             depth += 1
         return rates, d("vllm_treespec:draft_nodes_total") / trees
     drafts = d("vllm:spec_decode_num_drafts_total")
     if drafts > 0:
         rates, pos = [], 0
         while True:
-            keys = _series(after, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-                           f'position="{pos}"')
-            if not keys:
+            name, label = "vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{pos}"'
+            if not _series(after, name, label):
                 break
-            rates.append(sum(after[k] - before.get(k, 0.0) for k in keys) / drafts)
+            rates.append(_series_delta(before, after, name, label) / drafts)
             pos += 1
         tokens = d("vllm:spec_decode_num_draft_tokens_total")
         return rates, tokens / drafts
@@ -59,9 +63,8 @@ SOURCES = ("drafter", "copy", "other_requests", "both")
 def accepted_by_source(before: dict, after: dict) -> dict[str, float]:
     """Accepted drafts by source between two /metrics scrapes (observability's
     ``accepted_tokens_total``), and the cross-request store's lookups and hits."""
-    d = lambda name, label="": sum(after[k] - before.get(k, 0.0)  # noqa: E731
-                                   for k in _series(after, name, label))
-    out = {src: d("vllm_treespec:accepted_tokens_total", f'source="{src}"') for src in SOURCES}
+    out = {src: _series_delta(before, after, "vllm_treespec:accepted_tokens_total",
+                              f'source="{src}"') for src in SOURCES}
     for key in ("cross_request_lookups", "cross_request_hits"):
         name = f"vllm_treespec:{key}_total"
         out[key] = metric_sum(after, name) - metric_sum(before, name)
@@ -76,9 +79,8 @@ def stage_breakdown(before: dict, after: dict, output_tokens: int) -> dict | Non
     between two /metrics scrapes, each stage's share of their sum, and ms per
     output token. ``overhead_share`` is the tree bookkeeping alone (prepare +
     accept + commit): everything but the drafter's and the target's forwards."""
-    secs = {stage: sum(after[k] - before.get(k, 0.0)
-                       for k in _series(after, "vllm_treespec:stage_seconds_total", f'stage="{stage}"'))
-            for stage in STAGES}
+    secs = {stage: _series_delta(before, after, "vllm_treespec:stage_seconds_total",
+                                 f'stage="{stage}"') for stage in STAGES}
     total = sum(secs.values())
     if total <= 0:
         return None

@@ -12,7 +12,7 @@ Nothing here sees the drafter: EAGLE nodes keep their own calibration
 (``estimates``), and a node both sources proposed is priced by the higher.
 
 Copies from other requests are learned per tenant (``TenantAcceptance``): how
-often one tenant's copies were accepted never prices another's. Whether a
+often one tenant's copies were accepted never enters another's estimates. Whether a
 request looks them up at all is ``LookupGate``'s call. Pure numpy.
 """
 
@@ -63,7 +63,7 @@ class CopyAcceptance:
 class TenantAcceptance:
     """One ``CopyAcceptance`` per tenant, for copies from other requests: a
     tenant whose requests repeat each other makes no other tenant's copies look
-    surer (and so no other tenant faster). At most ``MAX_TENANTS`` are kept,
+    surer. At most ``MAX_TENANTS`` are kept,
     the least recently used out; a tenant seen again starts from the prior."""
     MAX_TENANTS = 4096  # two [5, copy_length] float arrays each: a few MB in all
 

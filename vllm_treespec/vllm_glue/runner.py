@@ -321,23 +321,23 @@ class TreeRunnerMixin(StepCostCalibration):
         self._step_sampling = (t1 - t0, True)
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
+        req_ids = [self.input_batch.req_ids[i] for i in step.req_index.tolist()]
         drafted = (outcome if self.drafter.copies is None
-                   else self._observe_copies(step, acc, outcome))
+                   else self._observe_copies(step, acc, outcome, req_ids))
         if self.adaptive_budget is not None and drafted is not None:
             self.adaptive_budget.observe_acceptance(drafted, step.depth, step.predicted)
-        req_ids = (None if self.tree_metrics.trace is None else
-                   [self.input_batch.req_ids[i] for i in step.req_index.tolist()])
         self.tree_metrics.on_verify(step, acc, outcome.accepted, t1 - t0,
-                                    time.perf_counter() - t1, req_ids)
+                                    time.perf_counter() - t1,
+                                    None if self.tree_metrics.trace is None else req_ids)
         self._verify = None
         return out
 
-    def _observe_copies(self, step: VerifyStep, acc, outcome: Outcome) -> Outcome | None:
+    def _observe_copies(self, step: VerifyStep, acc, outcome: Outcome,
+                        req_ids: list[str]) -> Outcome | None:
         """Copy branches' acceptance learned and counted; returns what the
         drafter's own nodes accepted (``copy_source.eagle_outcome``)."""
         copies = self.drafter.copies
         paths = [p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
-        req_ids = [self.input_batch.req_ids[i] for i in step.req_index.tolist()]
         self.tree_metrics.on_copies(*copies.observe(step.proposed, paths, req_ids))
         return eagle_outcome(outcome, step.proposed, paths)
 
