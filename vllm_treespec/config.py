@@ -105,6 +105,7 @@ _ALLOWED = {
     "copy_length": "an integer in [{}, {}]".format(*COPY_LENGTH_RANGE),
     "cross_request_tokens": "an integer in [{}, {}]".format(*CROSS_REQUEST_TOKENS_RANGE),
     "cross_request_prompts": "true or false",
+    "cross_request_unsalted": "true or false",
 }
 
 
@@ -159,12 +160,15 @@ class TreeSpecConfig(BaseModel):
         the part whose live acceptance estimate pays for its verification).
         Default 8, or ``num_nodes`` if that is smaller.
     cross_request_tokens: copies from other requests too: the outputs of
-        finished requests with the same ``cache_salt`` (none matches none), at
-        most this many tokens held, oldest out first; up to ``copy_branches``
+        finished requests of the same tenant (``cache_salt`` and LoRA adapter),
+        at most this many tokens held, oldest out first; up to ``copy_branches``
         more branches a request per step, priced by their own acceptance
         estimate. 0 (the default) shares nothing across requests.
     cross_request_prompts: file finished requests' prompts with their outputs
         (default false: prompts are never shared).
+    cross_request_unsalted: requests without a ``cache_salt`` share too, among
+        themselves (per LoRA adapter). Default false: such a request's output
+        is never filed and it looks nothing up.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -187,6 +191,7 @@ class TreeSpecConfig(BaseModel):
     cross_request_tokens: StrictInt = Field(0, ge=CROSS_REQUEST_TOKENS_RANGE[0],
                                             le=CROSS_REQUEST_TOKENS_RANGE[1])
     cross_request_prompts: StrictBool = False
+    cross_request_unsalted: StrictBool = False
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.
@@ -237,6 +242,9 @@ class TreeSpecConfig(BaseModel):
                         "branches)")
         if self.cross_request_prompts and not self.cross_request_tokens:
             raise _fail("cross_request_prompts", self.cross_request_prompts,
+                        "false with cross_request_tokens 0 (nothing is shared)")
+        if self.cross_request_unsalted and not self.cross_request_tokens:
+            raise _fail("cross_request_unsalted", self.cross_request_unsalted,
                         "false with cross_request_tokens 0 (nothing is shared)")
         if self.choices is not None and self.depth_weight != 1.0:
             raise _fail("depth_weight", self.depth_weight, "1 with 'choices' (a static tree "

@@ -40,6 +40,12 @@ def test_defaults_are_valid_and_round_trip():
     ({"depth_weight": True}, "depth_weight", "True", "a number"),
     ({"depth_weight": "1.2"}, "depth_weight", "'1.2'", "a number"),
     ({"choices": [[0], [0, 0]], "depth_weight": 1.2}, "depth_weight", "1.2", "1 with 'choices'"),
+    ({"cross_request_tokens": 64, "cross_request_unsalted": "yes"}, "cross_request_unsalted",
+     "'yes'", "true or false"),
+    ({"cross_request_tokens": 64, "cross_request_unsalted": 1}, "cross_request_unsalted",
+     "1", "true or false"),
+    ({"cross_request_unsalted": True}, "cross_request_unsalted", "True",
+     "false with cross_request_tokens 0"),
 ])
 def test_each_bad_value_names_key_value_and_range(raw, key, value, allowed):
     with pytest.raises(TreeSpecConfigError) as err:
@@ -78,3 +84,9 @@ def test_the_engine_config_is_parsed_once_per_process_and_shared():
     assert tree_config_from_vllm(engine(num_nodes=8)) is not first
     assert tree_config_from_vllm(engine(num_nodes=8)).num_nodes == 8
     assert tree_config_from_vllm(SimpleNamespace(additional_config={})) is None
+
+
+def test_unsalted_requests_share_only_when_asked():
+    assert TreeSpecConfig.from_dict({"cross_request_tokens": 64}).cross_request_unsalted is False
+    cfg = TreeSpecConfig.from_dict({"cross_request_tokens": 64, "cross_request_unsalted": True})
+    assert cfg.cross_request_unsalted and TreeSpecConfig.from_dict(cfg.to_dict()) == cfg

@@ -367,23 +367,6 @@ def test_a_request_whose_other_copies_do_not_pay_looks_up_ever_more_rarely():
     assert "dry" not in source.gates and "dry" not in source.tenants
 
 
-def test_the_scheduler_names_each_new_requests_tenant():
-    """attach_tenants: every schedule output carries {req_id: cache_salt} of its
-    new requests (None without a salt); a request the scheduler no longer holds
-    is left out, so the runner treats it as of unknown tenant."""
-    from types import SimpleNamespace
-
-    from vllm_treespec.vllm_glue.scheduling import attach_tenants
-
-    new = [SimpleNamespace(req_id=r) for r in ("a", "b", "gone")]
-    scheduler = SimpleNamespace(
-        requests={"a": SimpleNamespace(request_id="a", cache_salt="alice"),
-                  "b": SimpleNamespace(request_id="b", cache_salt=None)},
-        schedule=lambda: SimpleNamespace(scheduled_new_reqs=new))
-    attach_tenants(scheduler)
-    assert scheduler.schedule().tree_tenants == {"a": "alice", "b": None}
-
-
 def test_the_runner_files_finished_requests_under_their_tenant():
     """The runner notes new requests' tenants and files a finished request's
     output before vLLM drops its state; one it no longer holds files nothing."""

@@ -6,12 +6,13 @@ recent finished outputs and, for a request's last tokens, proposes what
 followed them in those outputs: the same ``CopyDraft`` continuations the
 request's own history gives (``copy_drafts``), grafted into the same tree.
 
-* **Tenants.** Outputs are filed under their tenant (vLLM's ``cache_salt``;
-  ``None`` for requests without one, which see each other's outputs only). A
-  lookup reads its own tenant's index and nothing else, so whether a
-  continuation was recently generated for another tenant cannot show up as
-  speed. The eviction order is shared: one tenant's traffic can push another's
-  outputs out sooner (how much the store holds, not what it holds, is visible).
+* **Tenants.** Outputs are filed under their tenant (any hashable key; the
+  engine's is ``(cache_salt, LoRA adapter)``, and requests without a
+  ``cache_salt`` reach the store only with ``cross_request_unsalted``:
+  ``vllm_glue.scheduling.attach_tenants``). A lookup reads its own tenant's
+  index and nothing else, so no other tenant's text is ever proposed. The
+  eviction order is shared: one tenant's traffic can push another's outputs
+  out sooner (how much the store holds, not what it holds, is visible).
 * **Bounded memory.** At most ``max_tokens`` tokens in all, oldest output first
   out (an output longer than that keeps its last ``max_tokens``). The index
   holds at most ``per_key`` occurrences of each n-gram, the most recent. Its
@@ -36,7 +37,7 @@ from collections.abc import Hashable, Sequence
 
 from vllm_treespec.tree.copy_drafts import CopyDraft
 
-Tenant = Hashable  # a cache_salt, or None
+Tenant = Hashable  # the engine's: (cache_salt, LoRA adapter)
 
 
 _ID_SHIFT = 32  # occurrence = doc id << 32 | end

@@ -19,11 +19,13 @@ the nodes it drafted (``eagle_outcome``).
 
 With ``cross_request_tokens``, a request's last tokens are also looked up in
 the outputs of finished requests of its tenant (``tree.shared_suffixes``; the
-tenant is vLLM's ``cache_salt``, which the scheduler hands the runner with each
-new request: ``scheduling.attach_tenants``); those copies are grafted beside the
-request's own (``OTHER`` nodes) and priced by their tenant's own live estimate
-(``TenantAcceptance``). A request whose lookups stop paying looks up ever more
-rarely (``LookupGate``).
+tenant is ``(cache_salt, LoRA adapter)``, which the scheduler hands the runner
+with each new request, leaving out requests without a ``cache_salt`` unless
+``cross_request_unsalted``: ``scheduling.attach_tenants``); those copies are
+grafted beside the request's own (``OTHER`` nodes), priced by their tenant's
+own live estimate (``TenantAcceptance``) on top of the rest of the step, each
+tenant's apart (``lengths``). A request whose lookups stop paying looks up ever
+more rarely (``LookupGate``).
 
 The drafter's KV stays complete whatever source the accepted tokens came from:
 its next first pass runs over every accepted token (stock EAGLE's catch-up of
@@ -33,6 +35,7 @@ an accepted chain), whether it drafted them or not.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -78,7 +81,8 @@ class CopySource:
         self._counted = np.array(num_tokens[:len(self._emitted)], dtype=np.int64)
 
     def admit(self, tenants: Mapping[str, Tenant]) -> None:
-        """New requests' tenants (req_id -> cache_salt), as the scheduler named them."""
+        """New requests' tenants (req_id -> tenant), as the scheduler named them
+        (``scheduling.attach_tenants``; a request it left out shares nothing)."""
         self.tenants.update(tenants)
 
     def file_finished(self, req_id: str, prompt: Sequence[int] | None,
@@ -145,46 +149,37 @@ class CopySource:
     def lengths(self, copies: list[list[CopyDraft]], policy, base_gain: float,
                 base_nodes: int, base_chains: bool) -> list[list[int]]:
         """How many tokens of each copy to verify. Without a policy, all; with
-        one, those whose estimate reaches the batch-wide threshold, priced two
-        ways as the drafter's selection is: every copy, paying the branching
-        extra where they make a request's tree branch (two copies part
-        somewhere; a copy beside a drafted chain), or each request's first copy
-        alone (beside no drafts, a chain for the causal kernel). The faster
-        step wins: without this, two one-token copies at the root of an
-        undrafted request were priced as chains and verified as trees, which
-        under load cost more than they accepted (benchmarks/RESULTS.md,
-        "Hybrid trees (copy branches)")."""
+        one, those whose estimate reaches the batch-wide threshold (``_price_group``).
+
+        Copies from other requests are priced after the rest, tenant by tenant:
+        first every request's own copies beside the drafter's selection, as if
+        no store existed; then each tenant's store copies on top of that alone,
+        never beside another tenant's. So whether one tenant's store had a hit
+        changes no other tenant's verified copy nodes (docs/cross-request.md,
+        "Tenants")."""
         if policy is None:
             return [[len(c.tokens) for c in cs] for cs in copies]
+        kept = [[0] * len(cs) for cs in copies]
         q = [[self.estimates_of(c) for c in cs] for cs in copies]
-        every = [e for row in q for e in row]
-        if not every:
-            return [[] for _ in copies]
-        beside_chain = base_chains and base_nodes > 0
-        several = any(len(row) > 1 for row in q)  # some request's copies part somewhere
-        threshold, rate = policy.copy_threshold(
-            np.concatenate(every), base_gain, base_nodes, len(copies),
-            branching=beside_chain or (base_chains and several))
-        kept = [[int((e >= threshold).sum()) for e in row] for row in q]
-        if several:
-            first, first_rate = policy.copy_threshold(
-                np.concatenate([row[0] for row in q if row]), base_gain, base_nodes,
-                len(copies), branching=beside_chain)
-            if first_rate > rate:
-                kept = [[int((e >= first).sum()) if i == 0 else 0 for i, e in enumerate(row)]
-                        for row in q]
-        if not any(k for row in kept for k in row):
+        own = [[i for i, c in enumerate(cs) if c.source != OTHER] for cs in copies]
+        base = _Base(base_gain, base_nodes, base_chains, (0,) * len(copies))
+        base = _price_group(own, q, kept, policy, base)
+        if any(own) and not any(kept[b][i] for b, row in enumerate(own) for i in row):
             self.estimates.forget()
-        # A tenant none of whose copies were kept forgets, whatever other
-        # tenants' did (in the batch's order: every tensor-parallel rank must
-        # keep the same least-recently-used order, and a set's order is not).
-        kept_by = {}
-        for cs, ks in zip(copies, kept):
-            for c, k in zip(cs, ks):
+        # Tenants in the batch's order: every tensor-parallel rank must keep the
+        # same least-recently-used order of estimates, and a set's order is not.
+        tenants: dict = {}
+        for cs in copies:
+            for c in cs:
                 if c.source == OTHER:
-                    kept_by[c.tenant] = kept_by.get(c.tenant, False) or k > 0
-        for tenant, any_kept in kept_by.items():
-            if not any_kept:
+                    tenants.setdefault(c.tenant, None)
+        for tenant in tenants:
+            group = [[i for i, c in enumerate(cs) if c.source == OTHER and c.tenant == tenant]
+                     for cs in copies]
+            _price_group(group, q, kept, policy, base)
+            # A tenant none of whose copies were kept forgets, whatever other
+            # tenants' did.
+            if not any(kept[b][i] for b, row in enumerate(group) for i in row):
                 self.other_estimates.of(tenant).forget()
         return kept
 
@@ -245,6 +240,58 @@ class CopySource:
             if from_store and req_id in self.gates:
                 self.gates[req_id].accepted()
         return own, other, both
+
+
+@dataclass(frozen=True)
+class _Base:
+    """What a group of copies is priced beside: the selection's gain, nodes,
+    whether every tree is a chain, and how many copies each row keeps already."""
+    gain: float
+    nodes: int
+    chains: bool
+    fixed: tuple[int, ...]
+
+
+def _price_group(group: list[list[int]], q: list[list[np.ndarray]], kept: list[list[int]],
+                 policy, base: _Base) -> _Base:
+    """Price the copies ``group`` names (per row, indices into ``q``, their
+    estimates) beside ``base``; write how many tokens of each to keep into
+    ``kept``; return the base with them added.
+
+    The nodes whose estimate reaches the threshold at which one more stops
+    paying, priced two ways as the drafter's selection is: every copy, paying
+    the branching extra where they make a request's tree branch (two copies
+    part somewhere; a copy beside a drafted chain), or each request's first
+    copy alone (beside no drafts, a chain for the causal kernel). The faster
+    step wins: without this, two one-token copies at the root of an undrafted
+    request were priced as chains and verified as trees, which under load cost
+    more than they accepted (benchmarks/RESULTS.md, "Hybrid trees (copy
+    branches)")."""
+    rows = [[q[b][i] for i in idx] for b, idx in enumerate(group)]
+    every = [e for row in rows for e in row]
+    if not every:
+        return base
+    batch = len(rows)
+    beside_chain = base.chains and base.nodes > 0
+    several = any(len(row) + f > 1 for row, f in zip(rows, base.fixed) if row)
+    threshold, rate = policy.copy_threshold(
+        np.concatenate(every), base.gain, base.nodes, batch,
+        branching=beside_chain or (base.chains and several))
+    counts = [[int((e >= threshold).sum()) for e in row] for row in rows]
+    firsts = [row[0] for row, f in zip(rows, base.fixed) if row and not f]
+    if several and firsts:
+        first, first_rate = policy.copy_threshold(
+            np.concatenate(firsts), base.gain, base.nodes, batch, branching=beside_chain)
+        if first_rate > rate:
+            counts = [[int((e >= first).sum()) if i == 0 and not f else 0
+                       for i, e in enumerate(row)] for row, f in zip(rows, base.fixed)]
+    gain, nodes, fixed = base.gain, base.nodes, list(base.fixed)
+    for b, (idx, row, ks) in enumerate(zip(group, rows, counts)):
+        for i, e, k in zip(idx, row, ks):
+            kept[b][i] = k
+            gain, nodes, fixed[b] = gain + float(e[:k].sum()), nodes + k, fixed[b] + (k > 0)
+    chains = base.chains and (nodes == base.nodes or (base.nodes == 0 and max(fixed) <= 1))
+    return _Base(gain, nodes, chains, tuple(fixed))
 
 
 def eagle_outcome(outcome: Outcome, trees, paths: list[list[int]]) -> Outcome | None:

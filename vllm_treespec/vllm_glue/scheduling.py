@@ -38,9 +38,12 @@ from the cache, 128-token blocks) the drop made the tree server prefill about a
 tenth more prompt tokens than plain vLLM.
 
 With copies from other requests (``cross_request_tokens``) the runner needs each
-request's tenant, vLLM's ``cache_salt``, which the scheduler's request holds and
-the new-request data it sends the workers does not: ``attach_tenants`` adds
-``{req_id: cache_salt}`` of the step's new requests to its output.
+request's tenant, which the scheduler's request holds and the new-request data
+it sends the workers does not: ``attach_tenants`` adds ``{req_id: tenant}`` of
+the step's new requests to its output. The tenant is what vLLM's prefix cache
+keeps apart, ``(cache_salt, LoRA adapter)`` (``tenant_of``); a request without
+a ``cache_salt`` is left out unless ``cross_request_unsalted`` (the runner then
+files nothing of it and looks nothing up for it).
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def patch_scheduler() -> None:
             versions.clear_block_drop(self.kv_cache_manager,
                                       self.vllm_config.speculative_config)
             if tree.cross_request_tokens:  # refused without copy branches (config)
-                attach_tenants(self)
+                attach_tenants(self, tree.cross_request_unsalted)
 
     __init__._treespec_wrapped = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__
@@ -95,15 +98,26 @@ def reserve_tree_lookahead(scheduler: Any, depth: int) -> bool:
     return True
 
 
-def attach_tenants(scheduler: Any) -> None:
+def tenant_of(request: Any) -> tuple:
+    """A request's tenant: its ``cache_salt`` and LoRA adapter (name and id;
+    None without one), so that two adapters, or two salts, never share."""
+    lora = getattr(request, "lora_request", None)
+    adapter = None if not lora else (lora.lora_name, lora.lora_int_id)
+    return request.cache_salt or None, adapter
+
+
+def attach_tenants(scheduler: Any, unsalted: bool = False) -> None:
     """Every output of ``scheduler.schedule`` carries ``tree_tenants``: the
-    ``cache_salt`` (None without one) of each request it schedules as new."""
+    tenant (``tenant_of``) of each request it schedules as new; one without a
+    ``cache_salt`` (or with an empty one, which vLLM's prefix cache ignores too)
+    only with ``unsalted`` (``cross_request_unsalted``)."""
     schedule = scheduler.schedule
 
     def with_tenants(*args: Any, **kwargs: Any):
         out = schedule(*args, **kwargs)
         requests = (scheduler.requests.get(new.req_id) for new in out.scheduled_new_reqs)
-        out.tree_tenants = {r.request_id: r.cache_salt for r in requests if r is not None}
+        out.tree_tenants = {r.request_id: tenant_of(r) for r in requests
+                            if r is not None and (unsalted or r.cache_salt)}
         return out
 
     scheduler.schedule = with_tenants
