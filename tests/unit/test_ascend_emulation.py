@@ -579,4 +579,4 @@ def test_npu_check_runs_through_the_emulation(tmp_path, capsys):
     data = json.loads(report.read_text())
     assert data["ok"] and {c["name"] for c in data["checks"]} >= {
         "numerics/full_mask", "numerics/two_pass", "numerics/tree_sparse",
-        "probe/sparse_mode=9"}
+        "kv_boundaries/full_mask", "kv_boundaries/two_pass", "probe/sparse_mode=9"}

@@ -1,7 +1,8 @@
 """Synthetic verify batches: for the unit tests, ``npu-check`` and the startup probe.
 
 Owns :class:`SyntheticBatch`, :func:`make_verify_batch`, :func:`buffers_for`,
-:func:`verify_with` (the backend's mixed-batch path on a synthetic batch), and
+:func:`verify_with` (the backend's mixed-batch path on a synthetic batch),
+:func:`kv_boundary_batch` (contexts either side of kernel boundaries), and
 the startup probe of ``tree_sparse`` (:class:`ProbeResult`,
 :func:`probe_tree_sparse`). The top of the package: may import every other
 module of it, plus :mod:`vllm_treespec.attention.metadata` / ``.reference`` and
@@ -56,6 +57,11 @@ class SyntheticBatch:
     def cu_q_lens(self) -> list[int]:
         return list(itertools.accumulate(self.q_lens))
 
+    def request_rows(self, b: int) -> torch.Tensor:
+        """Indices of request b's query rows in the flat batch."""
+        start = sum(self.q_lens[:b])
+        return torch.arange(start, start + self.q_lens[b], device=self.query.device)
+
     def reference_output(self) -> torch.Tensor:
         q32 = self.query.float()
         return paged_tree_attention(q32, self.key_cache.float(), self.value_cache.float(),
@@ -73,16 +79,9 @@ def _random_tree_parents(rng: random.Random, n: int, chain: bool) -> list[int]:
     return parents
 
 
-def make_verify_batch(seed: int, kinds: Sequence[str], tree_size: int, num_heads: int,
-                      num_kv_heads: int, head_size: int, dtype: torch.dtype = torch.float32,
-                      device="cpu", max_ctx: int = 300, block_size: int = ASCEND_BLOCK_SIZE,
-                      full_trees: bool = False) -> SyntheticBatch:
-    """Build a random mixed verify batch (see :class:`SyntheticBatch`)."""
-    from vllm_treespec.tree import TreeBatch, tree_mask  # pure torch
-
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    T = tree_size
+def _request_lengths(rng: random.Random, kinds: Sequence[str], T: int, max_ctx: int,
+                     full_trees: bool, kv_lens: Sequence[int] | None):
+    """Query lengths, committed-context lengths and tree parents per request."""
     q_lens, ctx, parents_of = [], [], {}
     for b, kind in enumerate(kinds):
         if kind in ("tree", "chain"):
@@ -93,7 +92,29 @@ def make_verify_batch(seed: int, kinds: Sequence[str], tree_size: int, num_heads
             q_lens.append(rng.choice([1, rng.randint(2, 2 * T)]))
         else:
             raise ValueError(f"unknown request kind {kind!r}")
-        ctx.append(rng.randint(1, max_ctx))
+        if kv_lens is None:
+            ctx.append(rng.randint(1, max_ctx))
+        elif kv_lens[b] < q_lens[b]:
+            raise ValueError(f"kv length {kv_lens[b]} < the request's {q_lens[b]} queries")
+        else:
+            ctx.append(kv_lens[b] - q_lens[b])
+    return q_lens, ctx, parents_of
+
+
+def make_verify_batch(seed: int, kinds: Sequence[str], tree_size: int, num_heads: int,
+                      num_kv_heads: int, head_size: int, dtype: torch.dtype = torch.float32,
+                      device="cpu", max_ctx: int = 300, block_size: int = ASCEND_BLOCK_SIZE,
+                      full_trees: bool = False,
+                      kv_lens: Sequence[int] | None = None) -> SyntheticBatch:
+    """Build a random mixed verify batch (see :class:`SyntheticBatch`). Contexts are
+    random up to ``max_ctx``, or, with ``kv_lens``, sized so that request b's KV
+    length (context plus its queries) is exactly ``kv_lens[b]``."""
+    from vllm_treespec.tree import TreeBatch, tree_mask  # pure torch
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    T = tree_size
+    q_lens, ctx, parents_of = _request_lengths(rng, kinds, T, max_ctx, full_trees, kv_lens)
     kv_lens = [c + q for c, q in zip(ctx, q_lens)]
     need = [(kv + block_size - 1) // block_size for kv in kv_lens]
     max_blocks = max(need) + rng.randint(0, 2)
@@ -151,6 +172,26 @@ def make_verify_batch(seed: int, kinds: Sequence[str], tree_size: int, num_heads
                           key=key, value=value, key_cache=k_cache, value_cache=v_cache,
                           block_table=table, tree_rows=tree_rows, reference=reference,
                           heads=HeadConfig(H, KVH, D, 1.0 / math.sqrt(D)))
+
+
+# KV lengths either side of positions where an FIA kernel is known, or may be
+# expected, to change behaviour: 512 (vllm-ascend #15503: a sparse_mode=0 mask is
+# ignored from KV position 512 on), 1024, 2048 (the compressed causal mask's size)
+# and 4096. Most are not multiples of the 128-token block: the last block is partial.
+KV_BOUNDARY_LENS = (511, 512, 513, 640, 1023, 1024, 1025, 2047, 2049, 4095, 4096, 4097)
+
+
+def kv_boundary_batch(seed: int, tree_size: int, num_heads: int, num_kv_heads: int,
+                      head_size: int, dtype: torch.dtype = torch.float32, device="cpu",
+                      kv_lens: Sequence[int] = KV_BOUNDARY_LENS) -> SyntheticBatch:
+    """One full random tree per KV length in ``kv_lens``. A tree fills the last
+    ``tree_size`` KV positions, so at 513 its last node (a leaf) sits at position
+    512, where the mask hides it from every other row: a mask misread from position
+    512 on shows at 513 and beyond, not at 511 or 512. Random contexts of a few
+    hundred tokens never get there."""
+    return make_verify_batch(seed, ["tree"] * len(kv_lens), tree_size, num_heads,
+                             num_kv_heads, head_size, dtype=dtype, device=device,
+                             full_trees=True, kv_lens=kv_lens)
 
 
 def buffers_for(batch: SyntheticBatch, plan: TreeAttentionPlan) -> TreeAttentionBuffers:
