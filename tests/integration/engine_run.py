@@ -13,6 +13,8 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "break_stochastic" / "drop_sibling_renormalisation": bool (biased acceptance
        rules, negative controls of the T>0 test),
        "record_proposals": bool (stock or tree drafter),
+       "record_drafter_work": bool (per drafting step: rows that may get a tree, drafter
+       forwards and their tokens, drafts per row, rows the levels grew and caught up),
        "slow_rank": {"rank", "factor"} | null (that tensor-parallel rank's clock runs
        factor times slow; every rank records its planned depths),
        "record_plans": bool (the adaptive budget's decisions, rank 0's),
@@ -23,6 +25,8 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
 OUT:  {"outputs": [[token ids]...] (per prompt, per sample), "tree": metrics | null,
        "drafts": {"prompt hash@root position": first draft token} | null (with "schedule"),
        "proposals": {"prompt hash@root position": [draft tokens]} | null,
+       "drafter_work": [{"allowed", "forwards", "tokens", "drafts", "level_rows",
+                         "caught_up_rows"} per drafting step] | null (with "record_drafter_work"),
        "planned_depths": [[depth per drafting step] per rank] | null (with "slow_rank"),
        "plans": [[batch, planned depth, probe, decision inputs] per drafting step] | null
                 (with "record_plans"; inputs: budget_hooks.decision_inputs, null when off),
@@ -74,6 +78,8 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(oracle.stream_seeded_plain_steps)
     if spec.get("record_proposals"):
         llm.collective_rpc(oracle.record_proposals)
+    if spec.get("record_drafter_work") and tree_mode:
+        llm.collective_rpc(oracle.record_drafter_work)
     if spec.get("draft_faults") and tree_mode:
         llm.collective_rpc(oracle.inject_draft_faults, args=(spec["draft_faults"],))
     if spec.get("chunk_faults") is not None and tree_mode:
@@ -115,6 +121,8 @@ def main(spec_path: str, out_path: str) -> None:
               if spec.get("schedule") and tree_mode else None)
     proposals = (llm.collective_rpc(oracle.recorded_proposals)[0]
                  if spec.get("record_proposals") else None)
+    drafter_work = (llm.collective_rpc(oracle.recorded_drafter_work)[0]
+                    if spec.get("record_drafter_work") and tree_mode else None)
     chunk_faults = (llm.collective_rpc(oracle.chunk_faults)[0]
                     if spec.get("chunk_faults") is not None and tree_mode else None)
     plans = (llm.collective_rpc(budget_hooks.recorded_plans)
@@ -132,6 +140,7 @@ def main(spec_path: str, out_path: str) -> None:
     with open(out_path, "w") as f:
         json.dump({"outputs": outputs, "tree": tree, "seconds": seconds, "drafts": drafts,
                    "proposals": proposals, "chunk_faults": chunk_faults,
+                   "drafter_work": drafter_work,
                    "planned_depths": planned,
                    "plans": plans[0] if plans and spec.get("record_plans") else None,
                    "preemptions": counter("vllm:num_preemptions"),

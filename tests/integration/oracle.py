@@ -385,3 +385,53 @@ def count_chunk_faults(worker, control_pad_locals: int) -> bool:
 def chunk_faults(worker) -> dict[str, list[int]]:
     """collective_rpc target: what ``count_chunk_faults`` counted, per entry call."""
     return worker._treespec_chunk_faults
+
+
+def record_drafter_work(worker) -> bool:
+    """collective_rpc target: per drafting step (``propose``), which batch rows
+    may get a tree (``tree_allowed_mask``), the drafter forwards it ran and the
+    tokens of each, the draft tokens it proposed per row, the rows its levels
+    grew and those it caught up (issue 94: requests without a tree must cost
+    nothing)."""
+    runner = worker.model_runner
+    drafter = runner.drafter
+    steps: list[dict] = []
+    current: dict = {}
+    forward, grow, catch_up = drafter.model.forward, drafter.levels.grow, \
+        drafter.paged.catch_up_pass
+
+    def counted_forward(*args, **kwargs):
+        current["forwards"] += 1
+        ids = kwargs.get("input_ids")
+        current["tokens"].append(None if ids is None else int(ids.shape[0]))
+        return forward(*args, **kwargs)
+
+    def recorded_grow(builder, level, parent_hidden, step):
+        current["level_rows"] = step.batch_size
+        return grow(builder, level, parent_hidden, step)
+
+    def recorded_catch_up(cad, batch):
+        current["caught_up_rows"] += sorted(set(batch.rows))
+        return catch_up(cad, batch)
+
+    def propose(self, *args, **kwargs):
+        B = kwargs["common_attn_metadata"].batch_size()
+        current.clear()
+        current.update(allowed=runner.tree_allowed_mask(B), forwards=0, tokens=[],
+                       level_rows=None, caught_up_rows=[])
+        drafts = original(*args, **kwargs)
+        steps.append(dict(current, drafts=[len(d) for d in drafts]))
+        return drafts
+
+    original = drafter.propose
+    drafter.model.forward = counted_forward
+    drafter.levels.grow = recorded_grow
+    drafter.paged.catch_up_pass = recorded_catch_up
+    drafter.propose = types.MethodType(propose, drafter)
+    worker._treespec_drafter_work = steps
+    return True
+
+
+def recorded_drafter_work(worker) -> list[dict]:
+    """collective_rpc target: what ``record_drafter_work`` recorded."""
+    return worker._treespec_drafter_work

@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from tests.integration.conftest import pinned_kernels
+from vllm_treespec.bench.request_mix_run import SERVE_ARGS  # with a reasoning config
 from vllm_treespec.bench.server import Server, metric_sum
 
 pytestmark = pytest.mark.vllm
@@ -37,10 +38,6 @@ QUESTIONS = [
     "Repeat exactly, twice: 7 kiwi 93 lamp 41 zebra 18 cloud 62 piano 5 fjord 80 quill",
 ]
 MAX_TOKENS = 64
-
-
-SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--seed", "0",
-              "--max-num-seqs", "8", "--compilation-config", '{"mode": 0}']
 
 
 def start(target: Path, log: Path, spec: dict | None) -> Server:
@@ -94,7 +91,7 @@ def servers(plain_server, target_dir, tmp_path_factory):
     # the adaptive budget would switch it off).
     spec = {"method": "eagle3_tree", "model": str(committed_drafter_dir()), "num_nodes": 12,
             "depth": 4, "top_k": 4, "adaptive": False, "copy_branches": 2, "copy_length": 6,
-            "cross_request_tokens": 8192}
+            "cross_request_tokens": 8192, "cross_request_unsalted": True}
     tree = start(target_dir, logs / "tree.log", spec)
     yield reference, tree
     tree.close()
@@ -421,3 +418,61 @@ def test_a_seeded_sample_is_the_same_when_other_requests_copies_are_accepted(ser
     assert again == first
     # 64 sampled tokens: the drafter's few guesses a step miss many of them
     assert copied > 0, copied
+
+
+def test_top_logprobs_beside_specific_token_logprobs(servers, plain_server):
+    """Two ordinary chat requests that once took the engine down: A asks top-2
+    logprobs of a greedy answer (it gets trees), B, sent while A runs, logprobs
+    of five specific tokens (it gets none). Both are answered as plain vLLM
+    answers them, each with its logprobs, and the server stays up."""
+    _, tree = servers
+    a = {"logprobs": True, "top_logprobs": 2, "max_tokens": 96}
+    b = {"logprobs": True, "max_tokens": 24,
+         "extra_body": {"logprob_token_ids": [11, 12, 13, 14, 15]}}
+
+    def pair(client):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(chat, client, QUESTIONS[4], **a)
+            time.sleep(1.0)  # B joins A's decode steps
+            return first.result(), pool.submit(chat, client, QUESTIONS[2], **b).result()
+
+    (ta, tb), (pa, pb) = pair(tree.client), pair(plain_server.client)
+    assert ta.choices[0].message.content == pa.choices[0].message.content
+    assert tb.choices[0].message.content == pb.choices[0].message.content
+    for got, want in ((ta, pa), (tb, pb)):
+        entries = got.choices[0].logprobs.content
+        assert len(entries) == got.usage.completion_tokens == want.usage.completion_tokens
+        assert [e.token for e in entries] == [e.token for e in want.choices[0].logprobs.content]
+    assert all(len(e.top_logprobs) == 2 for e in ta.choices[0].logprobs.content)
+    assert tree.proc.poll() is None
+    assert chat(tree.client, QUESTIONS[0]).choices[0].message.content
+
+
+def test_a_thinking_budget_is_refused_by_name(servers, plain_server):
+    """``thinking_token_budget`` (served by plain vLLM with a reasoning config,
+    both servers have one) cannot be applied on tree nodes: the tree server
+    refuses the request with a 400 naming it, and serves the next one."""
+    _, tree = servers
+    kw = {"max_tokens": 8, "extra_body": {"thinking_token_budget": 4}}
+    assert chat(plain_server.client, QUESTIONS[1], **kw).choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        chat(tree.client, QUESTIONS[1], **kw)
+    assert chat(tree.client, QUESTIONS[0]).choices[0].message.content
+
+
+# The request-mix property test's short run (the long one: docs/reliability.md).
+CI_MIXES = 6
+
+
+def test_request_mixes_are_served_as_plain_vllm_serves_them(servers, plain_server):
+    """Seeded mixes of 2 to 8 concurrent requests over every field the API
+    accepts (``bench.request_mix``), sent to both servers: each request gets
+    plain's status class (or a 400 naming a field only speculation refuses), no
+    5xx, plain's text when greedy, every field and count it asked for, and the
+    tree server stays up."""
+    from vllm_treespec.bench.request_mix_run import mixes, run_mix
+
+    _, tree = servers
+    for i, mix in mixes(seed=0, count=CI_MIXES, sizes=(2, 8)):
+        result = run_mix(plain_server.base_url, tree.base_url, mix)
+        assert not result["problems"], (i, result["problems"], mix)

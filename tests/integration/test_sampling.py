@@ -200,7 +200,8 @@ HYBRID_CHAT = [{"role": "user", "content": "Name one fruit and say one thing abo
                {"role": "assistant", "content": "Mango. It is sweet and juicy."},
                {"role": "user", "content": "Say that again, word for word."}]
 # Copies from other requests too: every draw before a request's is in the store.
-HYBRID_TREE = dict(TREE, copy_branches=2, copy_length=3, cross_request_tokens=4096)
+HYBRID_TREE = dict(TREE, copy_branches=2, copy_length=3, cross_request_tokens=4096,
+                   cross_request_unsalted=True)  # the draws carry no cache_salt
 N_HYBRID = 500
 
 

@@ -3,6 +3,7 @@
 import gc
 import weakref
 
+import pytest
 import torch
 
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts, RowReader
@@ -233,3 +234,83 @@ def test_a_discarded_store_is_freed_and_a_catch_up_reads_only_its_rows():
     del dd
     gc.collect()
     assert gone() is None
+
+
+# --- requests that get no tree (issue 94) ------------------------------------
+def _off_drafter(allowed: list[bool], later: list[bool]):
+    """A tree drafter whose runner says which rows may get a tree now
+    (``allowed``) or later (``later``); any drafter work raises, and its budget
+    records the batches it plans for."""
+    import types
+
+    from vllm_treespec.vllm_glue.hand_over import DraftHandOver
+    from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
+
+    def drafted(*args, **kwargs):
+        raise AssertionError("the drafter ran")
+
+    d = TreeEagleProposer.__new__(TreeEagleProposer)
+    d.runner = types.SimpleNamespace(
+        input_batch=types.SimpleNamespace(req_ids=[f"r{b}" for b in range(len(allowed))]),
+        tree_allowed_mask=lambda n, later_=False, **kw: list(
+            later if kw.get("later", later_) else allowed)[:n])
+    d.planned = []
+    d.adaptive_budget = types.SimpleNamespace(
+        catch_up_pending=None, plan_depth=lambda batch: d.planned.append(batch) or 3)
+    d.tree_cfg, d.defer_when_off, d.copies, d.proposed = None, True, None, {}
+    d.deferred, d.dropped_tokens, d.last_depth = DeferredDrafts(64, 4), 0, 3
+    d.hand_over = DraftHandOver(d)
+    d.set_inputs_first_pass = d._first_pass = d._catch_up = drafted
+    d.model = types.SimpleNamespace(combine_hidden_states=drafted)
+    return d
+
+
+def _propose_decode_step(d, batch: int, at: int = 10):
+    """``_draft_trees`` after a decode step without drafts: one row a request,
+    at position ``at``."""
+    import types
+
+    cad = types.SimpleNamespace(batch_size=lambda: batch, max_query_len=1,
+                                num_actual_tokens=batch,
+                                query_start_loc_cpu=torch.arange(batch + 1))
+    ids = torch.arange(batch) + 100
+    return d._draft_trees(0.0, 8, ids, torch.full((batch,), at),
+                          torch.zeros(batch, 12), ids + 1, None, cad, None)
+
+
+def test_a_batch_without_tree_requests_is_a_plain_step():
+    """No request may get a tree: no plan, no drafter pass, no drafts; the
+    request whose min_tokens is pending (r1) keeps its inputs for the catch-up
+    at its first tree, the others (never a tree) keep none."""
+    d = _off_drafter([False, False, False], later=[False, True, False])
+    for at in range(10, 13):
+        assert _propose_decode_step(d, 3, at) == [[], [], []]
+    assert d.planned == [] and d.last_depth == 0
+    assert d.deferred.pending(["r1"]) == 3 and d.deferred.pending(["r0", "r2"]) == 0
+
+
+def test_the_plain_step_control_drafts_for_the_same_batch_with_tree_requests():
+    """Negative control: the same batch, its requests allowed trees, is planned
+    for and reaches the drafter (the fake raises there)."""
+    d = _off_drafter([True, False, True], later=[True, True, True])
+    with pytest.raises(AssertionError, match="the drafter ran"):
+        _propose_decode_step(d, 3)
+    assert d.planned == [2]  # the budget plans for the tree requests only
+
+
+def test_hand_over_gives_the_trees_to_their_rows_and_none_to_the_others():
+    import dataclasses
+    import types
+
+    from vllm_treespec.tree import TreeBatch
+    from vllm_treespec.vllm_glue.hand_over import DraftHandOver
+
+    d = types.SimpleNamespace(copies=None, adaptive_budget=None, last_depth=2, proposed={},
+                              runner=types.SimpleNamespace(
+                                  input_batch=types.SimpleNamespace(req_ids=["a", "b", "c"]),
+                                  tree_allowed_mask=lambda n: [False, True, True]))
+    trees = TreeBatch.from_parents([[5, 6, 7], [8, 9]], [[0, 0, 1], [0, 0]], tree_size=3)
+    trees = dataclasses.replace(trees, score=torch.zeros(2, 3))  # draft probabilities 1
+    drafts = DraftHandOver(d)(trees, torch.tensor([5, 5, 8]), [0, 0, 0], rows=[1, 2])
+    assert drafts == [[], [6, 7], [9]]
+    assert set(d.proposed) == {"b", "c"} and d.proposed["b"].parents == [0, 1]

@@ -47,8 +47,8 @@ def _arm() -> None:
     checked = TreeEagleProposer.checked_trees
     inject = InvalidTreeInjector(int(every))
 
-    def checked_with_fault(self, trees, prefix_len):
-        return checked(self, inject(trees), prefix_len)
+    def checked_with_fault(self, trees, prefix_len, rows=None):
+        return checked(self, inject(trees), prefix_len, rows)
 
     TreeEagleProposer.checked_trees = checked_with_fault
 

@@ -84,7 +84,7 @@ TREES = {
     # the defaults with copies from other requests, the store at its largest and
     # prompts filed too, so that the mix fills it and outputs leave it
     "shared_store": {"validate_invariants": True, "cross_request_tokens": 262144,
-                     "cross_request_prompts": True},
+                     "cross_request_prompts": True, "cross_request_unsalted": True},
 }
 BLOCK_SIZE = 128  # the CPU backend's
 # Resident memory is read this long after a burst's last answer: a tree worker

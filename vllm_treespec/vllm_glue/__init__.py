@@ -2,8 +2,9 @@
 
 ``install`` is called by the plugin entry point in every vLLM process. It only
 wraps the speculative-config translation, vLLM's override for a served
-speculators-format head (``speculators``) and the scheduler's constructor (draft
-padding and lookahead for tree engines, ``scheduling``); everything else is
+speculators-format head (``speculators``), the scheduler's constructor (draft
+padding and lookahead for tree engines, ``scheduling``) and the frontend's request
+validation (the parameters tree engines refuse, ``request_checks``); everything else is
 selected through the engine configuration (the worker class) when the method is
 ``eagle3_tree``, so stock methods run untouched.
 """
@@ -18,6 +19,7 @@ from types import ModuleType
 def install() -> None:
     # The vLLM version is checked when an eagle3_tree engine is configured
     # (``support.check_vllm_version``): stock methods stay usable on any version.
+    from vllm_treespec.vllm_glue.request_checks import patch_request_validation
     from vllm_treespec.vllm_glue.scheduling import patch_scheduler
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args, patch_model_runner_choice
     from vllm_treespec.vllm_glue.speculators import patch_speculators_override
@@ -26,6 +28,7 @@ def install() -> None:
     patch_model_runner_choice()
     patch_scheduler()
     patch_speculators_override()  # after patch_engine_args: wraps its create_engine_config
+    patch_request_validation()
 
 
 def forget_resolved_backends() -> None:

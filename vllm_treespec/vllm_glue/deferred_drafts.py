@@ -248,6 +248,22 @@ class DeferredDrafts:
             self._tokens.pop(r, None)
 
 
+def raw_first_pass_inputs(target_token_ids: torch.Tensor, next_token_ids: torch.Tensor,
+                          cad, batch_size: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(ids, first rows, last rows) of a step's first-pass inputs as vLLM's
+    ``set_inputs_first_pass`` would lay them out (each request's ids shifted by
+    one, its next token last), for deferring them without that call."""
+    n = cad.num_actual_tokens
+    starts = cad.query_start_loc_cpu[:batch_size + 1].tolist()
+    last = [s - 1 for s in starts[1:]]
+    if cad.max_query_len == 1:
+        return next_token_ids[:batch_size], starts[:-1], last
+    ids = torch.empty_like(target_token_ids[:n])
+    ids[:n - 1] = target_token_ids[1:n]
+    ids[torch.tensor(last, device=ids.device)] = next_token_ids[:batch_size]
+    return ids, starts[:-1], last
+
+
 def _catch_up_batch(pieces) -> CatchUpBatch:
     ids, hidden, positions = [], [], []
     for _, lo, hi, span in pieces:

@@ -23,11 +23,13 @@ class DraftHandOver:
         self.drafter = drafter  # TreeEagleProposer: its runner, budget, copies, proposed
 
     def __call__(self, trees: TreeBatch | None, roots: torch.Tensor | None = None,
-                 root_positions: list[int] | None = None) -> list[list[int]]:
+                 root_positions: list[int] | None = None,
+                 rows: list[int] | None = None) -> list[list[int]]:
         """Draft token lists for the scheduler; remember each tree's shape.
         ``roots``: each request's new root, to graft copy branches below;
         ``root_positions``: where they sit (the trees' scratch blocks are counted
-        exactly with them, bounded without)."""
+        exactly with them, bounded without); ``rows``: the batch rows ``trees``
+        are for (None: all), the others get no drafts."""
         d = self.drafter
         req_ids = d.runner.input_batch.req_ids
         B = len(req_ids)
@@ -42,6 +44,9 @@ class DraftHandOver:
             parents = trees.parent.cpu().numpy()
             probs = torch.exp(trees.score.float()).cpu().numpy()
             num = trees.node_counts.cpu().numpy()
+            if rows is not None:
+                tokens, parents, probs, num = (_scattered(a, rows, B)
+                                               for a in (tokens, parents, probs, num))
         allowed = d.runner.tree_allowed_mask(B)
         num = np.where(allowed, num[:B], 0)
         copies = self.copy_plan(trees, probs if trees is not None else None, num, roots)
@@ -115,3 +120,10 @@ class DraftHandOver:
                                 for b, n in enumerate(num.tolist()) if n)
         chains = trees is None or bool(trees.is_chain)
         return found, d.copies.lengths(found, d.adaptive_budget, gain, int(num.sum()), chains)
+
+
+def _scattered(a: np.ndarray, rows: list[int], batch_size: int) -> np.ndarray:
+    """``a``'s rows placed at batch rows ``rows``; zeros (no tree) elsewhere."""
+    out = np.zeros((batch_size,) + a.shape[1:], dtype=a.dtype)
+    out[rows] = a
+    return out

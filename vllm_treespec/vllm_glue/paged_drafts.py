@@ -38,6 +38,24 @@ class PagedForwards:
                      batch.hidden.to(d.device))
         return sum(batch.query_lens)
 
+    def first_pass_rows(self, cad, rows: list[int], first: list[int], last: list[int],
+                        num_tokens: int):
+        """The first pass over batch ``rows`` alone, rows ``first[b] .. last[b]``
+        of the inputs ``set_inputs_first_pass`` laid out (``last[b]``: the row
+        that samples the new root's children), run as a catch-up pass runs: a
+        batch's requests that get no tree are not forwarded. Returns the
+        drafter's (last_hidden, hidden) at each of these rows' ``last``."""
+        d = self.drafter
+        lens = [last[b] - first[b] + 1 for b in rows]
+        index = torch.cat([torch.arange(first[b], last[b] + 1) for b in rows]).to(d.device)
+        positions = d._get_positions(num_tokens)
+        seq_lens = (positions[[last[b] for b in rows]] + 1).tolist()
+        block_table = cad.block_table_tensor[torch.tensor(rows, device=d.device)]
+        last_hidden, hidden = self.forward(block_table, lens, seq_lens, positions[index],
+                                           d.input_ids[index], d.hidden_states[index])
+        ends = torch.tensor(lens, device=d.device).cumsum(0) - 1
+        return last_hidden[ends], hidden[ends]
+
     def forward(self, block_table: torch.Tensor, query_lens: list[int],
                        seq_lens: list[int], positions: torch.Tensor, input_ids: torch.Tensor,
                        hidden: torch.Tensor):

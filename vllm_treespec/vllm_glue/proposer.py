@@ -13,7 +13,9 @@ here until the runner verifies it.
 When the budget says "no drafts" for a step, the first pass is skipped too
 (prefill chunks included) and its inputs deferred (``deferred_drafts``); the
 next drafting step catches the drafter's KV up in one batched pass before its
-own first pass (``paged_drafts``).
+own first pass (``paged_drafts``). A request that gets no tree
+(``tree_safe``) is neither planned for nor grown nor caught up, and a batch of
+only such requests is an off step without a plan (``_tree_rows``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes
 from vllm_treespec.vllm_glue.copy_source import MAX_NGRAM, MIN_NGRAM, CopySource
-from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts
+from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts, raw_first_pass_inputs
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.hand_over import DraftHandOver
 from vllm_treespec.vllm_glue.draft_levels import (LevelsRun, LevelStep, SequentialLevels,
@@ -151,7 +153,8 @@ class TreeEagleProposer(EagleProposer):
                      num_rejected_tokens_gpu=None, slot_mappings=None):
         batch_size = common_attn_metadata.batch_size()
         req_ids = list(self.runner.input_batch.req_ids[:batch_size])
-        depth = self._plan_depth(req_ids, batch_size)
+        rows = self._tree_rows(batch_size)
+        depth = self._plan_depth([req_ids[b] for b in rows])
         roots = next_token_ids[:batch_size]
         if depth == 0 and self.defer_when_off and self._verified_no_drafts(
                 common_attn_metadata, token_indices_to_sample):
@@ -160,8 +163,11 @@ class TreeEagleProposer(EagleProposer):
             # first-pass inputs wait in self.deferred with the target's raw
             # states, combined (fc) only at catch-up: requests that finish or
             # are trimmed while off never pay it.
-            self._defer_raw(req_ids, target_token_ids, target_positions,
-                            target_hidden_states, roots, common_attn_metadata)
+            ids, first, last = raw_first_pass_inputs(target_token_ids, roots,
+                                                     common_attn_metadata, batch_size)
+            n = common_attn_metadata.num_actual_tokens
+            self._defer(req_ids, ids, target_positions[:n], target_hidden_states[:n], first,
+                        last, range(batch_size))
             return self._finish_off_step(req_ids, t0, roots)
 
         # --- first pass: stock EAGLE over the (compacted) accepted chain -----
@@ -172,29 +178,54 @@ class TreeEagleProposer(EagleProposer):
             token_indices_to_sample=token_indices_to_sample, cad=common_attn_metadata,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu)
         first_rows = cad.query_start_loc_cpu[:batch_size].tolist()
+        last = token_indices_to_sample.tolist()
+        inputs = (self.input_ids[:num_tokens], self._get_positions(num_tokens),
+                  self.hidden_states[:num_tokens], first_rows, last)
         if depth == 0 and self.defer_when_off:
             # Off after a step that verified drafts (or outside the stock EAGLE
             # layout): a plain step would not run the drafter, so neither do we
             # (its inputs, past the rejected drafts, wait in self.deferred).
-            self.deferred.defer(req_ids, self.input_ids[:num_tokens],
-                                self._get_positions(num_tokens), self.hidden_states[:num_tokens],
-                                first_rows, token_indices_to_sample.tolist())
+            self._defer(req_ids, *inputs, range(batch_size))
             return self._finish_off_step(req_ids, t0, roots)
+        part = None  # the first pass's batch rows, where not all
+        if depth and len(rows) < batch_size:  # so do those of requests without a tree
+            tree_rows = set(rows)
+            self._defer(req_ids, *inputs, [b for b in range(batch_size) if b not in tree_rows])
+            part = (rows, first_rows, last)
         times = StepTimes(t0)
-        caught_up = self._catch_up(cad, req_ids, first_rows, num_tokens, times)
-        last_hidden, hidden = self._first_pass(cad, num_tokens, times)
+        caught_up = self._catch_up(cad, req_ids, first_rows, num_tokens, times, rows)
+        last_hidden, hidden = self._first_pass(cad, num_tokens, times, token_indices_to_sample,
+                                               part)
         if depth == 0:  # off, not deferring (the reference): nothing to draft
             return self._finish_step(self.hand_over(None, roots), t0)
 
-        # --- the levels below the roots' children (draft_levels) -------------
-        step = self._level_step(cad, batch_size, depth, num_rejected_tokens_gpu)
-        builder = self._builder(batch_size, depth)
-        level = builder.first_level(
-            self.draft_vocab_logprobs(last_hidden[token_indices_to_sample]))
-        run = self.levels.grow(builder, level, hidden[token_indices_to_sample].unsqueeze(1),
-                               step)
+        # --- the levels below the tree rows' roots' children (draft_levels) ---
+        step = self._level_step(cad, batch_size, depth, num_rejected_tokens_gpu, rows)
+        builder = self._builder(step.batch_size, depth)
+        level = builder.first_level(self.draft_vocab_logprobs(last_hidden))  # the tree rows'
+        run = self.levels.grow(builder, level, hidden.unsqueeze(1), step)
         return self._selected_drafts(builder, step, run, roots.long(), times,
-                                     first_tokens=num_tokens, caught_up=caught_up)
+                                     first_tokens=num_tokens, caught_up=caught_up, rows=rows)
+
+    def _tree_rows(self, batch_size: int) -> list[int]:
+        """The batch rows whose requests may get a tree this step (``tree_safe``).
+        The others (structured output, bad words, ...) decode as plain rows: no
+        first pass, levels or catch-up, and without tree rows no plan (an off
+        step): drafting for them made a batch-1 JSON-schema request take 1.6x
+        plain decoding's time (issue 94)."""
+        allowed = self.runner.tree_allowed_mask(batch_size)
+        return [b for b, ok in enumerate(allowed) if ok]
+
+    def _defer(self, req_ids: list[str], ids, positions, hidden, first: list[int],
+               last: list[int], rows) -> None:
+        """``deferred.defer`` for the batch ``rows`` whose requests may get a tree
+        now or later (``tree_allowed_mask(later=True)``: pending min_tokens, caught
+        up at their first tree); the others never will, so nothing of theirs is kept."""
+        later = self.runner.tree_allowed_mask(len(req_ids), later=True)
+        self.deferred.forget([r for r, ok in zip(req_ids, later) if not ok])
+        keep = [b for b in rows if later[b]]
+        self.deferred.defer([req_ids[b] for b in keep], ids, positions, hidden,
+                            [first[b] for b in keep], [last[b] for b in keep])
 
     def _verified_no_drafts(self, cad, token_indices_to_sample) -> bool:
         """Whether each request's rows this step are all tokens the target took
@@ -203,102 +234,105 @@ class TreeEagleProposer(EagleProposer):
                             or getattr(self, "needs_extra_input_slots", False))
         return stock_layout and (cad.max_query_len == 1 or token_indices_to_sample is None)
 
-    def _defer_raw(self, req_ids: list[str], target_token_ids, target_positions,
-                   target_hidden, next_token_ids, cad) -> None:
-        """Defer this step's first-pass inputs as ``set_inputs_first_pass`` would
-        lay them out (each request's ids shifted by one, its next token last),
-        with the target's raw states."""
-        batch_size, n = len(req_ids), cad.num_actual_tokens
-        starts = cad.query_start_loc_cpu[:batch_size + 1].tolist()
-        last = [s - 1 for s in starts[1:]]
-        if cad.max_query_len == 1:
-            ids = next_token_ids[:batch_size]
-        else:
-            ids = torch.empty_like(target_token_ids[:n])
-            ids[:n - 1] = target_token_ids[1:n]
-            ids[torch.tensor(last, device=ids.device)] = next_token_ids[:batch_size]
-        self.deferred.defer(req_ids, ids, target_positions[:n], target_hidden[:n],
-                            starts[:-1], last)
-
-    def _plan_depth(self, req_ids: list[str], batch_size: int) -> int:
-        """This step's drafting depth (0: no drafts): the adaptive budget's plan,
-        else the configured depth."""
+    def _plan_depth(self, req_ids: list[str]) -> int:
+        """This step's drafting depth (0: no drafts) for the requests that may
+        get a tree: the adaptive budget's plan, else the configured depth; 0
+        without any (no plan: that step is plain, not one the budget kept off)."""
         self._batch_req_ids = req_ids
+        if not req_ids:
+            self.last_depth = 0
+            return 0
         budget = self.adaptive_budget
         if budget is not None and budget.catch_up_pending is None:
             budget.catch_up_pending = self._catch_up_pending
-        depth = budget.plan_depth(batch_size) if budget is not None else self.tree_cfg.depth
+        depth = budget.plan_depth(len(req_ids)) if budget is not None else self.tree_cfg.depth
         self.last_depth = depth
         return depth
 
     def _catch_up(self, cad, req_ids: list[str], first_rows: list[int], num_tokens: int,
-                  times: StepTimes) -> int:
+                  times: StepTimes, rows: list[int]) -> int:
         """Forward the drafter inputs that off steps deferred (``deferred_drafts``),
-        before this step's first pass; returns the tokens caught up."""
+        before this step's first pass; returns the tokens caught up. Only the
+        batch ``rows`` that get a tree: the others' inputs wait for theirs."""
         t = time.perf_counter()
         tokens = 0
         if len(self.deferred):
             # Passes of at most the drafter's token budget, each counted as it ends.
             start = self._get_positions(num_tokens)[first_rows].tolist()
-            for batch in self.deferred.take(req_ids, start, self.max_num_tokens):
+            for batch in self.deferred.take([req_ids[b] for b in rows],
+                                            [start[b] for b in rows], self.max_num_tokens):
+                batch.rows = [rows[i] for i in batch.rows]  # from take's list to the batch
                 done = self.paged.catch_up_pass(cad, batch)
                 tokens += done
                 self.catch_up_tokens += done
         times.catch_up = time.perf_counter() - t
         return tokens
 
-    def _first_pass(self, cad, num_tokens: int, times: StepTimes):
+    def _first_pass(self, cad, num_tokens: int, times: StepTimes, sample, part=None):
+        """The drafter's (last_hidden, hidden) at each request's ``sample`` row:
+        vLLM's first pass, or with ``part`` (rows, first rows, last rows) that
+        of those batch rows alone (``PagedForwards.first_pass_rows``)."""
         t = time.perf_counter()
+        if part is not None:
+            out = self.paged.first_pass_rows(cad, *part, num_tokens)
+            times.first = time.perf_counter() - t
+            return out
         _, per_layer_md = self.build_per_group_and_layer_attn_metadata(cad)
         model_kwargs, _ = self.build_model_inputs_first_pass(num_tokens, num_tokens, None)
         with set_forward_context(per_layer_md, self.vllm_config, num_tokens=num_tokens,
                                  cudagraph_runtime_mode=CUDAGraphMode.NONE,
                                  slot_mapping=self._get_slot_mapping(num_tokens,
                                                                      cad.slot_mapping)):
-            out = self.model(**model_kwargs)
+            last_hidden, hidden = self.model(**model_kwargs)
         times.first = time.perf_counter() - t
-        return out
+        return last_hidden[sample], hidden[sample]
 
-    def _level_step(self, cad, batch_size: int, depth: int,
-                    num_rejected_tokens_gpu) -> LevelStep:
+    def _level_step(self, cad, batch_size: int, depth: int, num_rejected_tokens_gpu,
+                    rows: list[int]) -> LevelStep:
+        """The levels' shared inputs, for the batch's ``rows``."""
         # Drafter KV is valid for positions < P' (the new root's position).
         prefix_len = cad.seq_lens[:batch_size].long()
         if num_rejected_tokens_gpu is not None:
             prefix_len = prefix_len - num_rejected_tokens_gpu[:batch_size].long()
+        prefix_len = prefix_len[rows]
         budget = self.adaptive_budget
         dynamic = self.topology is None
         return LevelStep(
-            batch_size=batch_size, depth=depth, prefix_len=prefix_len,
-            max_prefix=int(prefix_len.max()) if batch_size else 0,
-            block_table=cad.block_table_tensor[:batch_size],
+            batch_size=len(rows), depth=depth, prefix_len=prefix_len,
+            max_prefix=int(prefix_len.max()) if rows else 0,
+            block_table=cad.block_table_tensor[rows],
             width=budget.level_width(depth) if budget is not None else self.tree_cfg.top_k,
             dynamic=dynamic, side_capacity=self._side_capacity(),
             # The adaptive budget may end a step's drafting before its planned depth.
             budget=budget if dynamic else None)
 
     def _selected_drafts(self, builder, step: LevelStep, run: LevelsRun, roots: torch.Tensor,
-                         times: StepTimes, first_tokens: int, caught_up: int) -> list[list[int]]:
-        """The trees the budget selects from the builder's candidates, checked
-        and handed over; the budget learns what the step cost and kept."""
+                         times: StepTimes, first_tokens: int, caught_up: int,
+                         rows: list[int]) -> list[list[int]]:
+        """The trees the budget selects from the builder's candidates (those of
+        the batch's ``rows``), checked and handed over; the budget learns what
+        the step cost and kept."""
         budget, node_budget, chain_only = self.adaptive_budget, None, False
         if budget is not None and step.dynamic:
             node_budget, chain_only = budget.select(
                 builder.candidate_scores(), builder.M, builder.chain_candidates())
-        trees = (builder.finish(roots, node_budget, chain_only=True) if chain_only
-                 else builder.finish(roots, node_budget))
+        trees = (builder.finish(roots[rows], node_budget, chain_only=True) if chain_only
+                 else builder.finish(roots[rows], node_budget))
         selected = trees.node_counts.cpu().numpy()
         t = time.perf_counter()
         if self.tree_cfg.validate_invariants:
-            trees = self.checked_trees(trees, step.prefix_len)
+            trees = self.checked_trees(trees, step.prefix_len, rows)
         times.check = time.perf_counter() - t
-        drafts = self.hand_over(trees, roots, step.prefix_len.tolist())
+        positions = [0] * len(roots)  # the roots' (hand_over reads the tree rows' only)
+        for b, p in zip(rows, step.prefix_len.tolist()):
+            positions[b] = p
+        drafts = self.hand_over(trees, roots, positions, rows)
         if budget is not None:
             # What the step goes on to verify of the drafter's nodes: the
             # selection's, less what the scratch cut took (DraftHandOver.scratch_capacity).
-            k = min(len(selected), len(drafts))
-            verified = np.minimum(selected[:k], [len(d) for d in drafts[:k]])
+            verified = np.minimum(selected, [len(drafts[b]) for b in rows])
             hand_to_budget(budget, step, run, times, first_tokens=first_tokens,
-                           caught_up=caught_up, verified=float(verified.mean()) if k else 0.0,
+                           caught_up=caught_up, verified=float(verified.mean()),
                            branching=not chain_only, unverified=int((selected == 0).sum()))
         return self._finish_step(drafts, times.start)
 
@@ -324,15 +358,18 @@ class TreeEagleProposer(EagleProposer):
             metrics.on_draft(self.last_draft_seconds)
         return drafts
 
-    def checked_trees(self, trees: TreeBatch, prefix_len: torch.Tensor) -> TreeBatch:
-        """Validate every tree; a request whose tree is malformed gets no drafts
-        this step (plain decoding is always correct) and the batch is dumped."""
+    def checked_trees(self, trees: TreeBatch, prefix_len: torch.Tensor,
+                      rows: list[int] | None = None) -> TreeBatch:
+        """Validate every tree (of the batch's ``rows``, None: all); a request
+        whose tree is malformed gets no drafts this step (plain decoding is
+        always correct) and the batch is dumped."""
         keep = trees.node_counts.clone()
 
         def without_drafts(b):
             keep[b] = 0
 
-        req_ids = list(self.runner.input_batch.req_ids[:trees.batch_size])
+        req_ids = [self.runner.input_batch.req_ids[b]
+                   for b in (range(trees.batch_size) if rows is None else rows)]
         return validated(lambda: trees.truncated(keep), self.runner.input_batch.vocab_size,
                          without_drafts, "draft", req_ids, prefix_len.tolist(),
                          trace_dir_from(self.tree_cfg.trace_dir))

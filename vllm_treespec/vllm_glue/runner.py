@@ -18,6 +18,7 @@ Per step, for requests whose scheduled draft tokens are a tree:
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import numpy as np
@@ -133,13 +134,15 @@ class TreeRunnerMixin(StepCostCalibration):
         return (views for _, views in distinct_kv_caches(self.kv_caches, self._kv_views))
 
     # ------------------------------------------------------------- policy
-    def tree_allowed_mask(self, num_reqs: int) -> list[bool]:
-        """Requests whose sampling parameters tree acceptance reproduces exactly."""
+    def tree_allowed_mask(self, num_reqs: int, later: bool = False) -> list[bool]:
+        """Requests whose sampling parameters tree acceptance reproduces exactly;
+        ``later``: now or once they have emitted more (pending ``min_tokens`` is
+        the one refusal that ends; the drafter keeps such requests' inputs)."""
         out = []
         for req_id in self.input_batch.req_ids[:num_reqs]:
             state = self.requests.get(req_id)
-            out.append(state is not None
-                       and tree_safe(state.sampling_params, len(state.output_token_ids)))
+            emitted = sys.maxsize if later or state is None else len(state.output_token_ids)
+            out.append(state is not None and tree_safe(state.sampling_params, emitted))
         return out
 
     # ------------------------------------------------------------- state

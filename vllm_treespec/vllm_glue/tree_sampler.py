@@ -76,8 +76,10 @@ def tree_safe(params, num_output_tokens: int) -> bool:
         return False
     if getattr(params, "logprob_token_ids", None):
         return False
+    # Refused at the frontend (``request_checks``); a field or an extra argument.
     extra = getattr(params, "extra_args", None) or {}
-    if extra.get("thinking_token_budget") is not None:
+    if getattr(params, "thinking_token_budget", None) is not None \
+            or extra.get("thinking_token_budget") is not None:
         return False
     return True
 
@@ -238,7 +240,7 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
     #    would sort the vocabulary for top-p once more per request, for nothing
     #    (tree requests need no batch-aligned processor: ``tree_safe``; seeded
     #    rows draw per-position noise, not from the generator's stream).
-    skip_base = step.tree.batch_size == num_reqs and md.max_num_logprobs is None
+    skip_base = step.tree.batch_size == num_reqs and not asks_logprobs(md)
     if skip_base and md.all_greedy and md.allowed_token_ids_mask is None and md.no_penalties:
         # Greedy and nothing to process: the argmax of the raw rows, without
         # copying every node's logits (the batch-1 step's common case).
@@ -288,11 +290,17 @@ def sample_with_trees(sampler, logits: torch.Tensor, spec_md, md, step: VerifySt
             acc = _seeded_acceptance(step, seeded, node_logits, md,
                                      plain_step_sampler(sampler), acc)
     logprobs = None
-    if base is not None and md.max_num_logprobs is not None \
-            and base.logprobs_tensors is not None:
+    if base is not None and base.logprobs_tensors is not None:
         logprobs = _logprobs(sampler, logits, node_logits, step, md, acc, base,
                              acc.tokens.shape[1])
     return _output(num_reqs, base, step, acc, logprobs)
+
+
+def asks_logprobs(md) -> bool:
+    """Whether some request of the batch asks for logprobs of its sampled tokens:
+    top logprobs, or logprobs of specific tokens (``logprob_token_ids``, which
+    vLLM's sampler returns without ``max_num_logprobs``)."""
+    return md.max_num_logprobs is not None or bool(getattr(md, "logprob_token_ids", None))
 
 
 def _output(num_reqs: int, base, step: VerifyStep, acc: Acceptance,
@@ -313,7 +321,11 @@ def _output(num_reqs: int, base, step: VerifyStep, acc: Acceptance,
 
 def _logprobs(sampler, logits, node_logits: NodeLogits, step, md, acc, base,
               width) -> LogprobsTensors:
-    """Per emitted token: logprobs from the node row that produced it."""
+    """Per emitted token: logprobs from the node row that produced it, in the
+    layout vLLM's sampler gave the batch (``base``): its top-k layout, or, where
+    some request of the batch asks for specific tokens' logprobs, that layout for
+    every row (vLLM's sampler prefers it for the whole batch; tree requests never
+    ask for specific tokens: ``tree_safe``)."""
     num_reqs = step.num_reqs
     b_ids, b_lp, b_rank = base.logprobs_tensors[:3]
     K1 = b_ids.shape[1]
@@ -332,11 +344,26 @@ def _logprobs(sampler, logits, node_logits: NodeLogits, step, md, acc, base,
     if not mode.endswith("logits"):
         x = x.log_softmax(-1)
     tokens = acc.tokens.reshape(-1).clamp_min(0).long()
-    t = sampler.gather_logprobs(x, md.max_num_logprobs, tokens)
+    if getattr(md, "logprob_token_ids", None):
+        t = _sampled_only(x, tokens, K1)
+    else:
+        t = sampler.gather_logprobs(x, md.max_num_logprobs, tokens)
     ids[step.req_index] = t.logprob_token_ids.view(Bt, width, K1).to(ids.dtype)
     lps[step.req_index] = t.logprobs.view(Bt, width, K1).to(lps.dtype)
     ranks[step.req_index] = t.selected_token_ranks.view(Bt, width).to(ranks.dtype)
     return LogprobsTensors(ids.view(-1, K1), lps.view(-1, K1), ranks.view(-1))
+
+
+def _sampled_only(x: torch.Tensor, tokens: torch.Tensor, width: int) -> LogprobsTensors:
+    """vLLM's specific-token layout (``Sampler.gather_specific_token_logprobs``)
+    for rows that ask for no specific token: the sampled token's logprob and rank
+    in column 0, then padding (token 0, -inf)."""
+    chosen = x.gather(-1, tokens.unsqueeze(-1))
+    ids = torch.zeros(len(tokens), width, dtype=torch.long, device=x.device)
+    ids[:, 0] = tokens
+    lps = torch.full((len(tokens), width), float("-inf"), device=x.device)
+    lps[:, :1] = chosen
+    return LogprobsTensors(ids, lps, (x >= chosen).sum(-1))  # vLLM's rank: 1 = the best
 
 
 def _as_sampled(x: torch.Tensor, step: VerifyStep, md, trees: torch.Tensor) -> torch.Tensor:
