@@ -53,12 +53,15 @@ def accept_len_between(before: dict, after: dict) -> float | None:
 
 class Driver:
     def __init__(self, server: Server, max_tokens: int, temperature: float = 0.0,
-                 timeout_s: float = 1800, top_p: float | None = None):
+                 timeout_s: float = 1800, top_p: float | None = None,
+                 extra_for=None):
         self.server = server
         self.max_tokens = max_tokens
         self.temperature = temperature
         # Sent only when set: greedy runs' requests stay exactly what they were.
         self.sampling = {} if top_p is None else {"top_p": top_p}
+        # turn -> request fields added to its body (served_ab's --request-kinds), or None
+        self.extra_for = extra_for
         self.client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none",
                                     timeout=timeout_s)
 
@@ -70,7 +73,9 @@ class Driver:
         stream = self.client.chat.completions.create(
             model=self.server.served_name, messages=turn.messages, max_tokens=self.max_tokens,
             temperature=self.temperature, stream=True,
-            stream_options={"include_usage": True}, **self.sampling)
+            stream_options={"include_usage": True}, **self.sampling,
+            **({"extra_body": extra} if (extra := self.extra_for and self.extra_for(turn))
+               else {}))
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage

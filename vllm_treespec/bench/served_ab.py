@@ -122,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=None,
                    help="nucleus sampling for every request (default: not sent)")
+    p.add_argument("--request-kinds", default=None,
+                   help="JSON list of objects: turn i's request also carries the fields of "
+                        "object i mod len (e.g. a response_format, bad_words, min_tokens)")
     p.add_argument("--concurrency", type=int, default=1,
                    help="requests in flight per server (rounds of this many turns)")
     p.add_argument("--serve-args", default=None,
@@ -161,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                                     out / f"server-{slug(label)}.log", env=env)
             if len(servers) == 1:
                 check_memory(servers[label], len(methods))
-        drivers = {label: Driver(s, args.max_tokens, args.temperature, top_p=args.top_p)
+        kinds = json.loads(args.request_kinds) if args.request_kinds else None
+        kind_of = {t.turn_id: kinds[i % len(kinds)] for i, t in enumerate(turns)} \
+            if kinds else {}
+        drivers = {label: Driver(s, args.max_tokens, args.temperature, top_p=args.top_p,
+                                 extra_for=lambda t: kind_of.get(t.turn_id))
                    for label, s in servers.items()}
         if args.suite == "mtbench2":  # greedy and lossless: every method's own answers
             first_driver = next(iter(drivers.values()))
@@ -198,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                    shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
                "suite": args.suite, "turns": len(turns), "max_tokens": args.max_tokens,
                "temperature": args.temperature, "top_p": args.top_p,
+               "request_kinds": args.request_kinds,
                "concurrency": args.concurrency, "env": env, "methods": {}}
 
     def round_rates(label):  # output tok/s of each round
