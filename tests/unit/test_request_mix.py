@@ -59,6 +59,23 @@ def test_checks_pass_plain_answers_and_catch_each_failure():
     assert check_request(greedy, _answer(), no_usage)
 
 
+def test_what_plain_vllm_gets_wrong_itself_is_not_held_against_the_tree():
+    """A request plain vLLM fails (5xx) may fail on the tree server too, but not
+    lose its connection; logprobs=0 asks for logprobs; beside a specific-token
+    request, top-logprob lists may be short (vLLM's whole-batch layout), never long."""
+    failed = {"status": 500, "error": "grammar rejected tokens"}
+    assert check_request(_chat(), failed, {"status": 500, "error": "same"}) == []
+    assert check_request(_chat(), failed, {"status": None, "error": "reset"})
+    comp = {"api": "completions", "stream": False, "body": {"logprobs": 0, "max_tokens": 4}}
+    answer = {"status": 200, "json": {"choices": [{"index": 0, "text": "ab"}],
+                                      "usage": {"completion_tokens": 2}}}
+    assert check_request(comp, answer, answer) == ["logprobs missing"]
+    asked = _chat(temperature=1.0, logprobs=True, top_logprobs=5)
+    assert check_request(asked, _answer(logprobs=5), _answer(logprobs=1))
+    assert check_request(asked, _answer(logprobs=5), _answer(logprobs=1), True) == []
+    assert check_request(asked, _answer(logprobs=5), _answer(logprobs=7), True)
+
+
 def test_a_field_only_speculation_refuses_may_be_refused_by_name():
     """Plain serves min-p; a speculative server may answer 400 if it names it."""
     req = _chat(temperature=1.0, min_p=0.1)

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from vllm_treespec.bench.request_mix import check_request, random_mix
+from vllm_treespec.bench.request_mix import check_request, greedy, plain_failed, random_mix
 
 TIMEOUT_S = 600
 
@@ -109,13 +109,17 @@ def run_mix(plain_url: str, tree_url: str, mix: list[dict]) -> dict:
         plain = [pool.submit(send, plain_url, r) for r in mix]
         tree = [pool.submit(send, tree_url, r) for r in mix]
         plain, tree = [f.result() for f in plain], [f.result() for f in tree]
+    specific = any("logprob_token_ids" in r["body"] for r in mix)
     problems = {i: p for i, (r, a, b) in enumerate(zip(mix, plain, tree))
-                if (p := check_request(r, a, b))}
+                if (p := check_request(r, a, b, specific))}
     alive = healthy(tree_url)
     if not alive:
         problems[-1] = ["the tree server stopped answering /health"]
     return {"problems": problems, "alive": alive,
-            "statuses": [[a["status"], b["status"]] for a, b in zip(plain, tree)]}
+            "statuses": [[a["status"], b["status"]] for a, b in zip(plain, tree)],
+            "plain_failed": sum(map(plain_failed, plain)),
+            "greedy_compared": sum(greedy(r) and a["status"] == b["status"] == 200
+                                   for r, a, b in zip(mix, plain, tree))}
 
 
 def shrink(plain_url: str, tree_url: str, mix: list[dict]) -> list[dict]:
