@@ -166,14 +166,40 @@ def started_pair(out: Path):
         yield plain, tree
 
 
+def summarize(log: Path) -> dict:
+    """The long run's figures from its ``mixes.jsonl``."""
+    runs = [json.loads(x) for x in log.read_text().splitlines()]
+    statuses = [s for r in runs for s in r["statuses"]]
+    return {"mixes": len(runs), "requests": len(statuses),
+            "failing_mixes": sum(bool(r["problems"]) for r in runs),
+            "failing_requests": sum(len(r["problems"]) for r in runs),
+            "engine_deaths": sum(not r["alive"] for r in runs),
+            # a 5xx (or no answer) from the tree server where plain answered below 500
+            "tree_5xx": sum((t is None or t >= 500) and not (p and p >= 500)
+                            for p, t in statuses),
+            "plain_5xx": sum(p is not None and p >= 500 for p, _ in statuses),
+            "both_5xx": sum(bool(p and p >= 500 and t and t >= 500) for p, t in statuses),
+            "refused_by_tree_only": sum(t // 100 == 4 and p // 100 == 2 for p, t in statuses
+                                        if p and t),
+            "greedy_compared": sum(r.get("greedy_compared", 0) for r in runs),
+            "seconds": round(sum(r["seconds"] for r in runs))}
+
+
 def main() -> None:  # pragma: no cover - the long run, documented in docs/reliability.md
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mixes", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--summarize", action="store_true",
+                    help="write DIR/summary.json from DIR/mixes.jsonl and print it; send nothing")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "mixes.jsonl"
+    if args.summarize:
+        summary = json.dumps(summarize(log), indent=1)
+        (args.out / "summary.json").write_text(summary + "\n")
+        print(summary)
+        return
     done = {json.loads(x)["index"] for x in log.read_text().splitlines()} if log.exists() else set()
     with started_pair(args.out) as (plain, tree):
         for i, mix in mixes(args.seed, args.mixes):
