@@ -48,8 +48,9 @@ from vllm_treespec.tree.shared_suffixes import SharedSuffixes, Tenant
 # Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
 # the last HISTORY_WINDOW tokens of a request's own history: the search's cost
 # per step is bounded whatever the context's length (its cost at this window:
-# benchmarks/RESULTS.md, "Overhead of the tree core"); 4096, as before, left long
-# prompts' starts out of reach.
+# benchmarks/history/RESULTS-history.md,
+# "Overhead of the tree core: the tables (moved from RESULTS, 2026-12-07)");
+# 4096, as before, left long prompts' starts out of reach.
 MIN_NGRAM, MAX_NGRAM = 2, 4
 HISTORY_WINDOW = 32768
 # What the store keeps of a finished request: its last FILED_TOKENS tokens.
