@@ -236,7 +236,9 @@ def _logprob_problems(body: dict, chat: bool, choice: dict, specific_in_mix: boo
         tops = [len(e.get("top_logprobs") or []) for e in entries]
     else:
         entries = lp.get("tokens") or []
-        k = body["logprobs"] if "logprob_token_ids" not in body else None
+        # echo: the prompt's entries carry prompt_logprobs' count, not logprobs'
+        k = body["logprobs"] if "logprob_token_ids" not in body and not body.get("echo") \
+            else None
         tops = [len(t) for t in lp.get("top_logprobs") or [] if t is not None]  # echo: None first
         if len(lp.get("token_logprobs") or []) != len(entries):
             return ["token_logprobs and tokens differ in length"]
