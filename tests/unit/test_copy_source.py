@@ -42,7 +42,7 @@ def test_an_extension_takes_the_nodes_that_raise_the_rate():
     assert best_extension(np.zeros(3), 2.0, 2, cost, 0.0)[0] == float("inf")
 
 
-class _Budget:
+class FixedCostBudget:
     """What ``CopySource.lengths`` reads of the adaptive budget, on a fixed cost
     table (each verified token a tenth of a step) and branching extra."""
 
@@ -74,7 +74,7 @@ def test_copies_that_would_branch_pay_the_branching_extra(branch_cost, kept):
         source.estimates.observe(match=4, kept=1, accepted=1)
         source.estimates.observe(match=3, kept=1, accepted=1)
     copies = [[CopyDraft((7,), 4), CopyDraft((8,), 3)]]
-    budget = _Budget(branch_cost)
+    budget = FixedCostBudget(branch_cost)
     assert source.lengths(copies, budget, base_gain=1.0, base_nodes=0,
                           base_chains=True) == kept
     # A lone copy never branches: the extra does not price it out.

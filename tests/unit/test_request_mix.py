@@ -103,6 +103,7 @@ def test_a_thinking_budget_is_refused_by_name():
     from vllm_treespec.vllm_glue.request_checks import refusal
 
     assert refusal(SimpleNamespace(thinking_token_budget=None, extra_args=None)) is None
-    name, message = refusal(SimpleNamespace(thinking_token_budget=4))
+    name, value, message = refusal(SimpleNamespace(thinking_token_budget=4))
     assert name == "thinking_token_budget" and "4" in message and "eagle3_tree" in message
-    assert refusal(SimpleNamespace(extra_args={"thinking_token_budget": 0}))[0] == name
+    assert value == 4
+    assert refusal(SimpleNamespace(extra_args={"thinking_token_budget": 0}))[:2] == (name, 0)

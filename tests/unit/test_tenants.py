@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tests.unit.test_copy_source import FixedCostBudget
 from vllm_treespec.tree.copy_drafts import COPY, OTHER, CopyDraft
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes
 from vllm_treespec.vllm_glue import scheduling
@@ -102,22 +103,6 @@ def test_a_lora_adapter_is_part_of_the_tenant(salt_only, monkeypatch):
             assert found["chat2"] == [] and found["base2"] == []
 
 
-class _Budget:
-    """What ``CopySource.lengths`` reads of the adaptive budget, on a fixed cost
-    table (each verified token a tenth of a step) and branching extra."""
-
-    def __init__(self, branch_cost: float):
-        from vllm_treespec.policy import AdaptiveBudget
-
-        self.budget = AdaptiveBudget(num_nodes=16, depth=4, width=4)
-        for n in (1, 64, 256):
-            self.budget.step_cost.set_knot(n, 1.0 + 0.1 * (n - 1))
-        self.budget.branch_cost = branch_cost
-
-    def copy_threshold(self, *args, **kwargs):
-        return self.budget.copy_threshold(*args, **kwargs)
-
-
 def _bobs_lengths(alice_hit: bool, branch_cost: float, base_nodes: int, base_chains: bool,
                   store: int = OTHER) -> list[int]:
     """Bob's kept tokens (his own copy, his store copy) in a step beside alice,
@@ -127,7 +112,7 @@ def _bobs_lengths(alice_hit: bool, branch_cost: float, base_nodes: int, base_cha
     bob = [CopyDraft((11, 12, 13, 14), 2, COPY), CopyDraft((7, 8, 9, 10), 4, store, "bob")]
     alice = ([CopyDraft((1, 2, 3, 4), 4, store, "alice"),
               CopyDraft((5, 6, 7, 8), 3, store, "alice")] if alice_hit else [])
-    kept = source.lengths([alice, bob], _Budget(branch_cost), 2.0 + 0.5 * base_nodes,
+    kept = source.lengths([alice, bob], FixedCostBudget(branch_cost), 2.0 + 0.5 * base_nodes,
                           base_nodes, base_chains)
     return kept[1]
 

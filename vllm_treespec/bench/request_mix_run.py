@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from vllm_treespec.bench.request_mix import check_request, greedy, plain_failed, random_mix
+from vllm_treespec.bench.soak_mix import stream_error_status
 
 TIMEOUT_S = 600
 
@@ -61,8 +62,8 @@ def gathered(lines) -> dict:
             continue
         event = json.loads(data)
         if "error" in event:
-            return {"status": int(event["error"].get("code") or 500),
-                    "error": json.dumps(event["error"])}
+            status, error = stream_error_status(event["error"])
+            return {"status": status, "error": error}
         usage = event.get("usage") or usage
         for c in event.get("choices") or []:
             _merge(choices.setdefault(c["index"], {"index": c["index"]}), c)

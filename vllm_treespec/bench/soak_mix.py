@@ -277,14 +277,7 @@ async def _read_stream(resp, req: SoakRequest, res: SoakResult, t0: float) -> No
             break
         chunk = json.loads(data)
         if "error" in chunk:
-            # An error after the 200 header: vLLM validates some streamed requests
-            # only then (e.g. min-p under speculation) and puts the HTTP code it
-            # means in the error; without one it is a server failure.
-            err = chunk["error"]
-            err = err if isinstance(err, dict) else {"message": str(err)}
-            code = err.get("code")
-            res.status = code if isinstance(code, int) and 400 <= code < 600 else 500
-            res.error = json.dumps(err)
+            res.status, res.error = stream_error_status(chunk["error"])
             return
         chunks += 1
         for choice in chunk.get("choices", []):
@@ -299,6 +292,16 @@ async def _read_stream(resp, req: SoakRequest, res: SoakResult, t0: float) -> No
             resp.close()
             return
     res.texts = ["".join(pieces[k]) for k in sorted(pieces)]
+
+
+def stream_error_status(error) -> tuple[int, str]:
+    """(HTTP status, the error as JSON) of an error event in a 200 stream: vLLM
+    validates some streamed requests only after the header (e.g. min-p under
+    speculation) and puts the HTTP code it means in the error; without one it
+    is a server failure."""
+    err = error if isinstance(error, dict) else {"message": str(error)}
+    code = err.get("code")
+    return (code if isinstance(code, int) and 400 <= code < 600 else 500), json.dumps(err)
 
 
 def _texts(choices: list[dict]) -> list[str]:

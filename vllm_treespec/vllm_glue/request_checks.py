@@ -30,16 +30,18 @@ REFUSED = {
 }
 
 
-def refusal(params: Any) -> tuple[str, str] | None:
-    """(parameter, message) for a request a tree engine refuses, else None."""
+def refusal(params: Any) -> tuple[str, Any, str] | None:
+    """(parameter, value, message) for a request a tree engine refuses, else None.
+    A parameter counts as a ``SamplingParams`` field or as an extra argument."""
     for name, why in REFUSED.items():
         value = getattr(params, name, None)
         if value is None:
             value = (getattr(params, "extra_args", None) or {}).get(name)
         if value is not None:
-            return name, (f"request parameter '{name}' has value {value!r}, which "
-                          f"speculative method '{METHOD}' does not serve ({why}); allowed: "
-                          f"unset, or a server without speculation or with a stock method")
+            return name, value, (
+                f"request parameter '{name}' has value {value!r}, which speculative method "
+                f"'{METHOD}' does not serve ({why}); allowed: unset, or a server without "
+                f"speculation or with a stock method")
     return None
 
 
@@ -59,8 +61,8 @@ def patch_request_validation() -> None:
         if tree_config_from_vllm(self.vllm_config) is not None:
             refused = refusal(params)
             if refused is not None:
-                raise VLLMValidationError(refused[1], parameter=refused[0],
-                                          value=getattr(params, refused[0], None))
+                name, value, message = refused
+                raise VLLMValidationError(message, parameter=name, value=value)
         return result
 
     _validate_params._treespec_wrapped = True  # type: ignore[attr-defined]

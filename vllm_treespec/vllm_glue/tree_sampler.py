@@ -51,6 +51,7 @@ from vllm_treespec.tree import (
     top_k_top_p_probs,
 )
 from vllm_treespec.vllm_glue.seeded_draws import plain_step_sampler, seeded_draws
+from vllm_treespec.vllm_glue.request_checks import refusal
 from vllm_treespec.vllm_glue.plain_rows import (
     SAMPLING_EPS,
     needs_whole_sampler,
@@ -76,12 +77,8 @@ def tree_safe(params, num_output_tokens: int) -> bool:
         return False
     if getattr(params, "logprob_token_ids", None):
         return False
-    # Refused at the frontend (``request_checks``); a field or an extra argument.
-    extra = getattr(params, "extra_args", None) or {}
-    if getattr(params, "thinking_token_budget", None) is not None \
-            or extra.get("thinking_token_budget") is not None:
-        return False
-    return True
+    # Refused at the frontend already; never given a tree should one get here.
+    return refusal(params) is None
 
 
 @dataclasses.dataclass
