@@ -11,7 +11,7 @@ from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
 from vllm_treespec.policy.copy_estimates import CopyAcceptance
 from vllm_treespec.policy.selection import best_extension
 from vllm_treespec.tree.accept import Outcome
-from vllm_treespec.tree.copy_drafts import BOTH, COPY, EAGLE
+from vllm_treespec.tree.copy_drafts import BOTH, COPY, EAGLE, OTHER
 
 
 def test_estimates_fall_along_a_branch_and_learn_from_its_accepted_part():
@@ -168,6 +168,83 @@ def test_no_copies_while_the_budget_keeps_speculation_off():
     assert plan[1] == [[4]]
     proposer.last_depth = 0  # the adaptive budget planned this step off
     assert hand_over.copy_plan(None, None, np.zeros(1, np.int64), torch.tensor([7])) is None
+
+
+# Histories ending at their root (the last token), each offering copies: p's
+# "1 2 3 4" was followed twice (two own copies) and its tenant's store holds a
+# third; a's "5 6 7 8" once (and the store another); b's "11 12 13" once.
+_PLAIN_ROW_HISTORIES = {
+    "p": [1, 2, 3, 4, 50, 51, 52, 53, 1, 2, 3, 4, 60, 61, 62, 63, 9, 1, 2, 3, 4],
+    "a": [5, 6, 7, 8, 70, 71, 72, 73, 5, 6, 7, 8],
+    "b": [11, 12, 13, 80, 81, 82, 83, 11, 12, 13],
+}
+_PLAIN_ROW_DRAFTS = {"p": 10, "a": 20, "b": 30}  # each tree row's one drafted token
+
+
+def _hand_over_with_copies(req_ids: list[str], allowed: list[bool]):
+    """One hand-over of the batch ``req_ids`` (its rows ``allowed`` a tree get
+    a one-node drafted tree, probability 0.6) with copies from own history and
+    the tenant's store, priced on a fixed cost table: (drafts, proposed, source)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from vllm_treespec.tree import TreeBatch
+    from vllm_treespec.vllm_glue.hand_over import DraftHandOver
+
+    source = _cross_request_source()
+    source.admit({r: "t" for r in ["f1", "f2", *req_ids]})
+    source.file_finished("f1", None, [3, 4, 95, 96, 97])
+    source.file_finished("f2", None, [7, 8, 90, 91])
+    width = max(len(h) for h in _PLAIN_ROW_HISTORIES.values())
+    history = np.array([_PLAIN_ROW_HISTORIES[r] + [0] * (width - len(_PLAIN_ROW_HISTORIES[r]))
+                        for r in req_ids])
+    roots = torch.tensor([_PLAIN_ROW_HISTORIES[r][-1] for r in req_ids])
+    rows = [b for b, ok in enumerate(allowed) if ok]
+    trees = TreeBatch.from_parents(
+        [[int(roots[b]), _PLAIN_ROW_DRAFTS[req_ids[b]]] for b in rows],
+        [[0, 0]] * len(rows), tree_size=2)
+    trees = dataclasses.replace(trees, score=torch.full((len(rows), 2), float(np.log(0.6))))
+    # A branching extra at which the tree rows' plan depends on what else is
+    # priced beside it: with p's copies, a and b keep a token less each.
+    policy = FixedCostBudget(branch_cost=0.2)
+    policy.kappa = 1.0
+    d = SimpleNamespace(
+        copies=source, adaptive_budget=policy, last_depth=1, proposed={},
+        tree_cfg=SimpleNamespace(num_nodes=16, max_children=10),
+        runner=SimpleNamespace(
+            tree_allowed_mask=lambda n: allowed[:n],
+            input_batch=SimpleNamespace(token_ids_cpu=history, req_ids=req_ids,
+                                        num_tokens_no_spec=np.array([len(
+                                            _PLAIN_ROW_HISTORIES[r]) for r in req_ids]))))
+    drafts = DraftHandOver(d)(trees, roots, [len(_PLAIN_ROW_HISTORIES[r]) for r in req_ids],
+                              rows)
+    return drafts, d.proposed, source
+
+
+def test_a_plain_row_is_neither_searched_for_copies_nor_priced():
+    """A row ``tree_safe`` refused (p) gets no drafts, so no copies: its history
+    and its tenant's store are not searched (no lookup gate opened), and the
+    tree rows beside it get exactly the copies and trees they get without it --
+    its copies, bonus token and row priced nothing beside theirs (issue 94)."""
+    drafts, proposed, source = _hand_over_with_copies(["p", "a", "b"], [False, True, True])
+    alone, alone_proposed, _ = _hand_over_with_copies(["a", "b"], [True, True])
+    assert drafts == [[], *alone]
+    assert proposed == alone_proposed and "p" not in proposed
+    assert set(source.gates) == {"a", "b"}  # p's store lookup never ran
+    # The tree rows' plan is not trivial: copies from both sources were grafted.
+    assert alone == [[20, 70, 90, 71], [30, 80, 81]]
+    assert {src for tree in alone_proposed.values() for *_, src in tree.branches} == {
+        COPY, OTHER}
+
+
+def test_the_plain_row_control_searches_and_prices_the_same_row_allowed_a_tree():
+    """Negative control: the same batch with p allowed a tree searches p (its
+    gate opens) and grafts its copies, and pricing them beside a's and b's
+    keeps fewer of theirs: the equality above is what a priced plain row breaks."""
+    drafts, proposed, source = _hand_over_with_copies(["p", "a", "b"], [True, True, True])
+    alone, _, _ = _hand_over_with_copies(["a", "b"], [True, True])
+    assert "p" in source.gates and drafts[0] == [10, 60, 50, 95]
+    assert drafts[1:] == [[20, 70, 90], [30, 80]] != alone
 
 
 def _cross_request_source(file_prompts=False):

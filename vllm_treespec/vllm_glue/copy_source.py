@@ -104,12 +104,16 @@ class CopySource:
         return self.tenants.pop(req_id, UNKNOWN)
 
     def find(self, token_ids: np.ndarray, num_tokens: np.ndarray, roots: list[int],
-             req_ids: Sequence[str] = ()) -> tuple[list[list[CopyDraft]], int]:
-        """Copies per batch row (``roots``: each row's new root token; ``req_ids``:
-        the rows' requests, whose tenants' outputs are searched too), and how
-        many rows' histories did not end at their root (those get none)."""
+             req_ids: Sequence[str] = (), rows: Sequence[int] | None = None,
+             ) -> tuple[list[list[CopyDraft]], int]:
+        """Copies per batch row of ``rows`` (None: every row), in their order
+        (``roots``: each batch row's new root token; ``req_ids``: the rows'
+        requests, whose tenants' outputs are searched too), and how many of
+        those rows' histories did not end at their root (those get none). The
+        rows left out are not searched at all: no lookup, no gate opened."""
         out, mismatches = [], 0
-        for b, root in enumerate(roots):
+        for b in range(len(roots)) if rows is None else rows:
+            root = roots[b]
             n = int(num_tokens[b])
             tail = ([t for t in self._emitted[b] if t >= 0] if b < len(self._emitted)
                     and n == self._counted[b] else [])  # [] : already in token_ids

@@ -49,7 +49,8 @@ class DraftHandOver:
                                                for a in (tokens, parents, probs, num))
         allowed = d.runner.tree_allowed_mask(B)
         num = np.where(allowed, num[:B], 0)
-        copies = self.copy_plan(trees, probs if trees is not None else None, num, roots)
+        copies = self.copy_plan(trees, probs if trees is not None else None, num, roots,
+                                allowed)
         kappa = d.adaptive_budget.kappa if d.adaptive_budget is not None else 1.0
         scratch = self.scratch_capacity(B)
         out: list[list[int]] = []
@@ -101,25 +102,43 @@ class DraftHandOver:
         d = self.drafter
         return d.copies is not None and roots is not None and d.last_depth > 0
 
-    def copy_plan(self, trees, probs, num: np.ndarray, roots):
+    def copy_plan(self, trees, probs, num: np.ndarray, roots,
+                  allowed: list[bool] | None = None):
         """(copies, tokens of each to verify) per request, or None
-        (``copies_wanted``)."""
+        (``copies_wanted``). Only the rows ``allowed`` a tree (None: all) are
+        searched and priced; a plain row (``tree_safe`` refused it) gets none.
+        Its copies are never grafted, so searching them was waste, and pricing
+        them (with its bonus token) moved the tree rows' threshold and could make
+        the copy estimates forget -- a batch the budget plans for its tree
+        rows alone (``TreeEagleProposer._plan_depth``) prices copies so too."""
         d = self.drafter
         if not self.copies_wanted(roots):
             return None
         batch = d.runner.input_batch
+        B = len(roots)
+        rows = [b for b in range(B) if allowed is None or allowed[b]]
         found, mismatches = d.copies.find(batch.token_ids_cpu, batch.num_tokens_no_spec,
-                                          roots.tolist(), batch.req_ids)
+                                          roots.tolist(), batch.req_ids, rows)
         metrics = getattr(d.runner, "tree_metrics", None)
         if metrics is not None:
             metrics.on_fallback("copy_history_mismatches", mismatches)
             if d.copies.shared is not None:
                 metrics.on_cross_request(d.copies.shared)
         kappa = d.adaptive_budget.kappa if d.adaptive_budget is not None else 1.0
-        gain = len(found) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
-                                for b, n in enumerate(num.tolist()) if n)
+        # Each searched row's bonus token, and its drafts' estimates.
+        gain = len(rows) + sum(float(np.minimum(kappa * probs[b, 1: n + 1], 1.0).sum())
+                               for b in rows if (n := int(num[b])))
         chains = trees is None or bool(trees.is_chain)
-        return found, d.copies.lengths(found, d.adaptive_budget, gain, int(num.sum()), chains)
+        lengths = d.copies.lengths(found, d.adaptive_budget, gain, int(num.sum()), chains)
+        return _spread(found, rows, B), _spread(lengths, rows, B)
+
+
+def _spread(per_row: list[list], rows: list[int], batch_size: int) -> list[list]:
+    """``per_row``'s lists placed at batch rows ``rows``; empty lists elsewhere."""
+    out: list[list] = [[] for _ in range(batch_size)]
+    for b, value in zip(rows, per_row, strict=True):
+        out[b] = value
+    return out
 
 
 def _scattered(a: np.ndarray, rows: list[int], batch_size: int) -> np.ndarray:
