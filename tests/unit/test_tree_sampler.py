@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm")
 
 from vllm_treespec.tree import TreeBatch, greedy_accept  # noqa: E402
-from vllm_treespec.vllm_glue.tree_sampler import (  # noqa: E402
-    NodeLogits, VerifyStep, node_probs, row_argmax, sample_with_trees)
+from vllm_treespec.engine import accept as engine_accept  # noqa: E402
+from vllm_treespec.engine.accept import NodeLogits, node_probs, row_argmax, scaled  # noqa: E402
+from vllm_treespec.engine.step import VerifyStep, node_rows  # noqa: E402
+from vllm_treespec.vllm_glue.tree_sampler import sample_with_trees, tree_sampling  # noqa: E402
 
 V = 16
 
@@ -98,15 +100,13 @@ def test_sampled_batch_of_trees_skips_vllms_sampler():
 
 def _counting_node_probs(monkeypatch):
     """Record the (tree row, node) pairs the sampler asks distributions for."""
-    from vllm_treespec.vllm_glue import tree_sampler
-
     asked = []
 
     def counting(processed, step, md, rows, nodes, **kwargs):
         asked.extend(zip(rows.tolist(), nodes.tolist()))
         return node_probs(processed, step, md, rows, nodes, **kwargs)
 
-    monkeypatch.setattr(tree_sampler, "node_probs", counting)
+    monkeypatch.setattr(engine_accept, "node_probs", counting)
     return asked
 
 
@@ -131,7 +131,6 @@ def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(mon
     from vllm_treespec.vllm_glue import tree_sampler
     from vllm_treespec.bench.tree_reference import processed_node_logits
     from vllm_treespec.vllm_glue.seeded_draws import plain_step_sampler, seeded_draw
-    from vllm_treespec.vllm_glue.tree_sampler import _scaled
 
     drawn = []
     real = tree_sampler.seeded_draws
@@ -159,7 +158,7 @@ def test_a_seeded_tree_reads_only_its_path_and_accepts_as_every_node_sampled(mon
     tree = step.tree.take(torch.tensor([0]))
     every = torch.full_like(tree.token, -1)
     for node in range(int(tree.node_counts[0]) + 1):
-        x, k, p = _scaled(processed[0, node].unsqueeze(0), md, step.req_index[:1])
+        x, k, p = scaled(processed[0, node].unsqueeze(0), md, step.req_index[:1])
         every[0, node] = seeded_draw(op, x[0], None if k is None else k[0],
                                       None if p is None else p[0], seed,
                                       11 + int(tree.depth[0, node]))
@@ -171,7 +170,6 @@ def test_seeded_trees_batched_draw_what_each_node_drawn_alone_draws():
     tree accepts what the op, called for every node on its own, picks."""
     from vllm_treespec.bench.tree_reference import processed_node_logits
     from vllm_treespec.vllm_glue.seeded_draws import plain_step_sampler, seeded_draw
-    from vllm_treespec.vllm_glue.tree_sampler import _scaled
 
     step, spec_md, logits = _step_and_logits(torch.float32)
     md = _sampled_md([0.7, 1.0])
@@ -185,7 +183,7 @@ def test_seeded_trees_batched_draw_what_each_node_drawn_alone_draws():
             tree = step.tree.take(torch.tensor([b]))
             every = torch.full_like(tree.token, -1)
             for node in range(int(tree.node_counts[0]) + 1):
-                x, k, p = _scaled(processed[b, node].unsqueeze(0), md, step.req_index[b:b + 1])
+                x, k, p = scaled(processed[b, node].unsqueeze(0), md, step.req_index[b:b + 1])
                 every[0, node] = seeded_draw(op, x[0], None if k is None else k[0],
                                               None if p is None else p[0], seed,
                                               int(step.prefix_len[b]) + 1
@@ -209,8 +207,6 @@ def _vllm_processed(logits, step, md, trees, nodes):
     request's allowed-token mask, then ``apply_all_penalties`` with the node's
     output so far (the request's output plus the node's path)."""
     from vllm.v1.sample.ops.penalties import apply_all_penalties
-
-    from vllm_treespec.vllm_glue.tree_sampler import node_rows
 
     tree, reqs = step.tree, step.req_index[trees]
     outputs = []
@@ -239,7 +235,6 @@ def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penali
     """Penalties go to the node rows of requests that set one, as vLLM's op gives
     them over all rows: a neutral request's rows (1, 0, 0) come back unchanged."""
     from vllm_treespec.bench.tree_reference import processed_node_logits
-    from vllm_treespec.vllm_glue.tree_sampler import node_rows
 
     step, _, logits = _step_and_logits(torch.float32)
     logits[:, [3, 7, 12]] = torch.tensor([2.0, -1.5, 0.5])  # both signs on penalised tokens
@@ -258,8 +253,8 @@ def test_penalties_touch_only_the_trees_that_set_them_and_equal_every_row_penali
 class _WholeTable:
     """The reference for ``NodeLogits``: every node of every tree processed up front."""
 
-    def __init__(self, logits, step, md):
-        self.table = NodeLogits(logits, step, md).of_trees()  # the real class, not the patch
+    def __init__(self, logits, step, sampling):
+        self.table = NodeLogits(logits, step, sampling).of_trees()  # the real class, not the patch
 
     def __getitem__(self, index):
         return self.table[index]
@@ -275,8 +270,6 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
     """Penalties and an allowed-token mask applied to the nodes a step reads only
     (greedy trees: all; sampled: their walk's) give the tokens that processing
     every node first gives, for every mix of greedy, sampled and seeded trees."""
-    from vllm_treespec.vllm_glue import tree_sampler
-
     step, spec_md, logits = _step_and_logits(torch.float32)
     logits[:, :8] /= 6  # flat enough that the draws decide
     mask = torch.zeros(2, V, dtype=torch.bool)
@@ -287,7 +280,7 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
                          top_p=torch.tensor([0.95, 0.9]))
     md.allowed_token_ids_mask = mask
     asked = []
-    whole = tree_sampler.NodeLogits.__getitem__
+    whole = engine_accept.NodeLogits.__getitem__
 
     def counting(self, index):
         asked.extend(zip(index[0].tolist(), index[1].tolist()))
@@ -296,16 +289,17 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
     for draw in range(6):
         torch.manual_seed(draw)
         asked.clear()
-        monkeypatch.setattr(tree_sampler.NodeLogits, "__getitem__", counting)
+        monkeypatch.setattr(engine_accept.NodeLogits, "__getitem__", counting)
         out, acc = sample_with_trees(None, logits, spec_md, md, step, seeds)
         monkeypatch.undo()
         torch.manual_seed(draw)
-        monkeypatch.setattr(tree_sampler, "NodeLogits", _WholeTable)
+        monkeypatch.setattr(engine_accept, "NodeLogits", _WholeTable)
         ref, ref_acc = sample_with_trees(None, logits, spec_md, md, step, seeds)
         monkeypatch.undo()
         assert out.sampled_token_ids.tolist() == ref.sampled_token_ids.tolist()
         assert torch.equal(acc.path, ref_acc.path)
-        greedy = greedy_accept(step.tree, _WholeTable(logits, step, md).table.argmax(-1))
+        greedy = greedy_accept(step.tree,
+                               _WholeTable(logits, step, tree_sampling(md)).table.argmax(-1))
         for i, t in enumerate(temperature):  # sampled trees: their path's nodes only
             nodes = {n for row, n in asked if row == i}
             if t > 0:
@@ -318,7 +312,6 @@ def test_nodes_processed_on_demand_sample_what_the_whole_table_samples(monkeypat
 def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
     """Trees on batch rows 2 and 0 (row 1 decodes without a tree): each node's
     logits are its own request's, masked and penalised as vLLM's op does them."""
-    from vllm_treespec.vllm_glue.tree_sampler import node_rows
 
     tree = TreeBatch.from_parents([[9, 1, 2, 3, 4], [9, 5, 6]],
                                   [[0, 0, 0, 0, 1], [0, 0, 1]], tree_size=5, max_children=3)
@@ -336,7 +329,7 @@ def test_node_logits_of_trees_on_any_batch_rows_equal_vllms_processing():
         presence_penalties=torch.tensor([0.6, 0.0, 0.0]),
         output_token_ids=[[1, 12, 12], [4, 4], [7]])
     trees, nodes = torch.tensor([1, 0, 0, 1, 0]), torch.tensor([2, 4, 0, 1, 3])
-    got = NodeLogits(logits, step, md)[trees, nodes]
+    got = NodeLogits(logits, step, tree_sampling(md))[trees, nodes]
     assert torch.equal(got, _vllm_processed(logits, step, md, trees, nodes))
     assert not torch.equal(got[0], logits[node_rows(step)[1, 2]])  # request 0: penalised
     assert bool(torch.isinf(got[[1, 2, 4]]).any())  # request 2: masked
@@ -350,19 +343,20 @@ def test_logprobs_come_from_the_node_rows_that_emitted_the_tokens(mode):
     from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
     from vllm.v1.sample.sampler import Sampler
 
-    from vllm_treespec.vllm_glue.tree_sampler import _logprobs, node_rows
+    from vllm_treespec.vllm_glue.tree_sampler import _logprobs
 
     step, _, logits = _step_and_logits(torch.float32)
     md = SimpleNamespace(**vars(_penalty_md([1.5, 1.3], [0.7, 0.4], [0.2, 0.3])),
                          max_num_logprobs=2, temperature=torch.tensor([0.8, 0.0]),
                          top_k=torch.tensor([4, V]), top_p=torch.tensor([0.9, 1.0]))
-    table = NodeLogits(logits, step, md).of_trees()
+    table = NodeLogits(logits, step, tree_sampling(md)).of_trees()
     acc = greedy_accept(step.tree, table.argmax(-1))
     width, K1 = acc.tokens.shape[1], 3
     base = SimpleNamespace(logprobs_tensors=(torch.zeros(2, K1, dtype=torch.long),
                                              torch.zeros(2, K1), torch.zeros(2, dtype=torch.long)))
     sampler = Sampler(logprobs_mode=mode)
-    got = _logprobs(sampler, logits, NodeLogits(logits, step, md), step, md, acc, base, width)
+    got = _logprobs(sampler, logits, NodeLogits(logits, step, tree_sampling(md)), step, md,
+                   acc, base, width)
     rows = torch.gather(node_rows(step), 1, acc.path).reshape(-1)
     if mode.startswith("processed"):  # tree 0 sampled: vLLM's temperature, top-k, top-p
         src = table[torch.arange(2).repeat_interleave(width), acc.path.reshape(-1)]

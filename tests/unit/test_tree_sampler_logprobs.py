@@ -16,8 +16,8 @@ from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from vllm_treespec.tree import TreeBatch  # noqa: E402
-from vllm_treespec.vllm_glue.tree_sampler import (  # noqa: E402
-    VerifyStep, node_rows, sample_with_trees)
+from vllm_treespec.engine.step import VerifyStep, node_rows  # noqa: E402
+from vllm_treespec.vllm_glue.tree_sampler import sample_with_trees  # noqa: E402
 
 V = 16
 SPECIFIC = [11, 12, 13, 14, 15]

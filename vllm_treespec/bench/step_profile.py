@@ -40,9 +40,9 @@ PARTS = {
     ("proposer.py", "draft_vocab_logprobs"): "draft_logprobs",
     ("tree_sampler.py", "sample_with_trees"): "tree_sampling",
     # NodeLogits[trees, nodes]: the node rows a step processes (mask, penalties)
-    ("tree_sampler.py", "__getitem__"): "tree_node_logits",
-    ("tree_sampler.py", "node_probs"): "tree_node_probs",
-    ("accept.py", "stochastic_accept"): "tree_stochastic_accept",
+    ("engine/accept.py", "__getitem__"): "tree_node_logits",
+    ("engine/accept.py", "node_probs"): "tree_node_probs",
+    ("tree/accept.py", "stochastic_accept"): "tree_stochastic_accept",
     ("cpu_attention.py", "_verify_chains"): "tree_verify_chains",
     ("~", "<built-in method torch._ops._C.cpu_attention_with_kv_cache>"): "attention_kernel",
 }

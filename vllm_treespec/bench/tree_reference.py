@@ -45,15 +45,16 @@ def position_samples_on_path(tree: TreeBatch, target_probs: NodeProbs,
 
 
 def processed_node_logits(logits: torch.Tensor, step, md) -> torch.Tensor:
-    """[Bt, T, V] every node's ``tree_sampler.NodeLogits`` (the serving path
-    processes the nodes it reads only)."""
-    from vllm_treespec.vllm_glue.tree_sampler import NodeLogits  # imports vLLM
+    """[Bt, T, V] every node's ``engine.accept.NodeLogits`` (the serving path
+    processes the nodes it reads only); ``md``: vLLM's sampling metadata."""
+    from vllm_treespec.engine.accept import NodeLogits
+    from vllm_treespec.vllm_glue.tree_sampler import tree_sampling  # imports vLLM
 
-    return NodeLogits(logits, step, md).of_trees()
+    return NodeLogits(logits, step, tree_sampling(md)).of_trees()
 
 
 def node_table(probs, rows: torch.Tensor, tree_size: int) -> torch.Tensor:
     """[len(rows), T, V] every node's distribution of trees ``rows``, from a
-    (rows, nodes) -> [n, V] function such as ``tree_sampler.node_probs``."""
+    (rows, nodes) -> [n, V] function such as ``engine.accept.node_probs``."""
     nodes = torch.arange(tree_size, device=rows.device).repeat(len(rows))
     return probs(rows.repeat_interleave(tree_size), nodes).view(len(rows), tree_size, -1)

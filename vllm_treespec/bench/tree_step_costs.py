@@ -7,7 +7,7 @@ give the same result:
 * ``acceptance``: at T > 0 each node's logits become the request's distribution
   (temperature, top-k, top-p: a sort of the whole vocabulary per row) before the
   lossless multi-draft walk, which reads at most depth + 1 nodes of each tree;
-  ``tree_sampler.node_probs`` computes those on demand. Likewise for seeded
+  ``engine.accept.node_probs`` computes those on demand. Likewise for seeded
   requests, which sample with per-position noise: every node's sample
   (``position_samples``) against the samples on the path they choose
   (``position_samples_on_path``). Same accepted tokens. The target puts ``--peak``
@@ -50,8 +50,10 @@ from vllm_treespec.bench.tree_reference import (node_table, position_samples,
                                                 position_samples_on_path,
                                                 processed_node_logits)
 from vllm_treespec.tree import TreeBatch, greedy_accept, stochastic_accept
+from vllm_treespec.engine import accept as engine_accept
+from vllm_treespec.engine.accept import TreeSampling, node_probs
+from vllm_treespec.engine.step import VerifyStep, node_rows
 from vllm_treespec.vllm_glue import tree_sampler
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, node_rows, node_probs
 
 VOCAB = 49152  # SmolLM2
 PARENTS = [0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 4, 6, 9]  # node i's parent (root: itself)
@@ -105,10 +107,10 @@ def acceptance(args, B: int, gen: torch.Generator) -> dict:
         first_child.setdefault(parent, node)
     for parent, child in first_child.items():
         processed[torch.arange(B), parent, tokens[:, child]] += args.peak
-    md = SimpleNamespace(temperature=torch.full((B,), args.temperature),
-                         top_p=torch.full((B,), args.top_p) if args.top_p < 1 else None,
-                         top_k=torch.full((B,), args.top_k) if args.top_k else None)
-    probs = functools.partial(node_probs, processed, step, md)
+    sampling = TreeSampling(all_greedy=False, temperature=torch.full((B,), args.temperature),
+                            top_p=torch.full((B,), args.top_p) if args.top_p < 1 else None,
+                            top_k=torch.full((B,), args.top_k) if args.top_k else None)
+    probs = functools.partial(node_probs, processed, step, sampling)
     ways = {
         "whole_table": lambda u, n: stochastic_accept(
             step.tree, node_table(probs, torch.arange(B), T), u, n),
@@ -149,8 +151,8 @@ def acceptance(args, B: int, gen: torch.Generator) -> dict:
 class WholeTable:
     """Every node of every tree processed up front (the step before ``NodeLogits``)."""
 
-    def __init__(self, logits, step, md, _real=tree_sampler.NodeLogits):
-        self.table = _real(logits, step, md).of_trees()
+    def __init__(self, logits, step, sampling, _real=engine_accept.NodeLogits):
+        self.table = _real(logits, step, sampling).of_trees()
 
     def __getitem__(self, index):
         return self.table[index]
@@ -166,7 +168,7 @@ def sampled_step(logits, step, md, seed: int):
 
 
 def node_logits(args, B: int, gen: torch.Generator) -> list[dict]:
-    real, rows = tree_sampler.NodeLogits, []
+    real, rows = engine_accept.NodeLogits, []
     for every, label in ((B + 1, "none"), (3, "a third")):
         step, md, logits = penalised_step(B, every, args.output_len, gen)
         md = SimpleNamespace(**vars(md), all_greedy=False, max_num_logprobs=None,
@@ -176,10 +178,10 @@ def node_logits(args, B: int, gen: torch.Generator) -> list[dict]:
         times = {"whole_table": [], "on_demand": []}
         for rep in range(args.repeats):
             try:
-                tree_sampler.NodeLogits = WholeTable
+                engine_accept.NodeLogits = WholeTable
                 t_whole, whole = timed(sampled_step, logits, step, md, rep)
             finally:
-                tree_sampler.NodeLogits = real
+                engine_accept.NodeLogits = real
             t_lazy, lazy = timed(sampled_step, logits, step, md, rep)
             assert torch.equal(whole, lazy)
             times["whole_table"].append(t_whole)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.outputs import SamplerOutput
 
-SAMPLING_EPS = 1e-5  # vLLM's greedy threshold on temperature
+from vllm_treespec.engine.accept import SAMPLING_EPS  # vLLM's greedy threshold
 
 
 RAW_LOGPROBS_MODES = ("raw_logprobs", "raw_logits")  # vLLM's default, and its raw logits

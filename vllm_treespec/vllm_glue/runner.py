@@ -25,10 +25,12 @@ import numpy as np
 import torch
 
 from vllm_treespec.policy import AdaptiveBudget
-from vllm_treespec.tree import Outcome, apply_compaction, tree_mask
-from vllm_treespec.attention import PagedTreeAttentionMetadata, TreeVerifyRows
+from vllm_treespec.tree import Outcome, apply_compaction
+from vllm_treespec.attention import TreeVerifyRows
+from vllm_treespec.engine.commit import commit_accepted
+from vllm_treespec.engine.layout import verify_rows
+from vllm_treespec.engine.step import VerifyStep
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
-from vllm_treespec.vllm_glue.commit import commit_accepted
 from vllm_treespec.vllm_glue.copy_source import eagle_outcome
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
 from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support, versions
@@ -37,7 +39,7 @@ from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.seeded_draws import seat_position_generators
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep, sample_with_trees, tree_safe
+from vllm_treespec.vllm_glue.tree_sampler import sample_with_trees, tree_safe
 from vllm_treespec.vllm_glue.verify_inputs import make_verify_step
 
 
@@ -211,28 +213,12 @@ class TreeRunnerMixin(StepCostCalibration):
         return attn_metadata, spec_cad
 
     def _tree_rows(self, step: VerifyStep) -> TreeVerifyRows:
-        tree = step.tree
-        rows = (step.token_start.unsqueeze(1) + tree.node_index)[tree.valid]
-        total = int(self.query_start_loc.np[step.num_reqs])
-        chain_only = tree.is_chain
-        self._step_branching = not chain_only
-        # Chains alone: the native kernel is exact, on a device that reads nothing more.
-        meta = (None if chain_only and not self.chains_need_tree_metadata
-                else self._tree_metadata(step))
-        return TreeVerifyRows(rows=rows, meta=meta, covers_batch=rows.numel() == total,
-                              chain_only=chain_only, spare_blocks=self.tree_spare_blocks)
-
-    def _tree_metadata(self, step: VerifyStep) -> PagedTreeAttentionMetadata:
-        tree = step.tree
-        q_lens = tree.node_counts + 1
-        qsl = torch.zeros(tree.batch_size + 1, dtype=torch.int32, device=self.device)
-        qsl[1:] = torch.cumsum(q_lens, 0)
+        self._step_branching = not step.tree.is_chain
         bt = self.input_batch.block_table[0]
-        return PagedTreeAttentionMetadata(
-            query_start_loc=qsl, seq_lens=(step.prefix_len + q_lens).int(),
-            block_table=bt.get_device_tensor(step.num_reqs)[step.req_index],
-            block_size=bt.block_size, tree_mask=tree_mask(tree),
-            max_query_len=int(q_lens.max()), max_seq_len=int((step.prefix_len + q_lens).max()))
+        # Chains alone: the native kernel is exact, on a device that reads nothing more.
+        return verify_rows(step, int(self.query_start_loc.np[step.num_reqs]),
+                           self.chains_need_tree_metadata, bt.get_device_tensor(step.num_reqs),
+                           bt.block_size, self.tree_spare_blocks)
 
     # ------------------------------------------------------------- forward
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -345,8 +331,9 @@ class TreeRunnerMixin(StepCostCalibration):
         return eagle_outcome(outcome, step.proposed, paths)
 
     def _commit(self, step: VerifyStep, acc) -> None:
-        commit_accepted(step, acc, self.input_batch.block_table[0], self._move_kv,
-                        self.input_ids.gpu, self.positions)
+        bt = self.input_batch.block_table[0]
+        commit_accepted(step, acc, bt.get_device_tensor(step.num_reqs), bt.block_size,
+                        self._move_kv, self.input_ids.gpu, self.positions)
 
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV of (block, offset) pairs ``src`` [N, 2] copied to ``dst``, every layer."""

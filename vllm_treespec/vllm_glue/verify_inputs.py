@@ -15,12 +15,13 @@ from collections import Counter
 import numpy as np
 import torch
 
+from vllm_treespec.engine.layout import set_tree_positions
+from vllm_treespec.engine.step import VerifyStep
 from vllm_treespec.observability import trace_dir_from
 from vllm_treespec.tree import TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.tree_fallback import validated
 from vllm_treespec.vllm_glue import rank_agreement
-from vllm_treespec.vllm_glue.tree_sampler import VerifyStep
 
 
 def make_verify_step(runner, scheduler_output, spec_md) -> VerifyStep:
@@ -63,11 +64,7 @@ def make_verify_step(runner, scheduler_output, spec_md) -> VerifyStep:
                       num_reqs=num_reqs, draft_probs=[t.probs for t in trees],
                       proposed=trees,
                       depth=getattr(runner.drafter, "last_depth", tree.max_depth))
-    if not tree.is_chain:  # a chain's depths are its linear positions already
-        # Depth-based rotary positions; the slot mapping above stays linear.
-        flat = step.token_start.unsqueeze(1) + tree.node_index
-        pos = step.prefix_len.unsqueeze(1) + tree.depth
-        runner.positions[flat[tree.valid]] = pos[tree.valid]
+    set_tree_positions(step, runner.positions)  # the slot mapping above stays linear
     return step
 
 
