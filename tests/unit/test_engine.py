@@ -39,7 +39,7 @@ def _import_without_vllm(*modules: str) -> subprocess.CompletedProcess:
 
 def test_the_engine_imports_without_vllm():
     run = _import_without_vllm(*(f"vllm_treespec.engine.{m}"
-                                 for m in ("step", "layout", "accept", "commit")))
+                                 for m in ("step", "layout", "accept", "commit", "levels")))
     assert run.returncode == 0, run.stderr[-2000:]
     # Negative control: the blocker bites on the V1 adapter, which imports vLLM.
     run = _import_without_vllm("vllm_treespec.vllm_glue.tree_sampler")

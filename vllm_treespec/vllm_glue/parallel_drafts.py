@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from vllm_treespec.vllm_glue.draft_levels import LevelsRun, LevelStep, side_buffer_forward
+from vllm_treespec.engine.levels import LevelsRun, LevelStep
+from vllm_treespec.vllm_glue.draft_levels import side_buffer_forward
 from vllm_treespec.vllm_glue.support import NOT_A_PARALLEL_HEAD, bad_drafter
 
 

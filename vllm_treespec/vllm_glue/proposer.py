@@ -39,8 +39,8 @@ from vllm_treespec.vllm_glue.copy_source import MAX_NGRAM, MIN_NGRAM, CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts, raw_first_pass_inputs
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
 from vllm_treespec.vllm_glue.hand_over import DraftHandOver
-from vllm_treespec.vllm_glue.draft_levels import (LevelsRun, LevelStep, SequentialLevels,
-                                                  StepTimes, hand_to_budget)
+from vllm_treespec.engine.levels import LevelsRun, LevelStep, StepTimes, hand_to_budget
+from vllm_treespec.vllm_glue.draft_levels import SequentialLevels
 from vllm_treespec.vllm_glue.paged_drafts import PagedForwards
 from vllm_treespec.vllm_glue.parallel_drafts import ParallelLevels
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
@@ -333,7 +333,8 @@ class TreeEagleProposer(EagleProposer):
             verified = np.minimum(selected, [len(drafts[b]) for b in rows])
             hand_to_budget(budget, step, run, times, first_tokens=first_tokens,
                            caught_up=caught_up, verified=float(verified.mean()),
-                           branching=not chain_only, unverified=int((selected == 0).sum()))
+                           branching=not chain_only, unverified=int((selected == 0).sum()),
+                           agree=rank_agreement.timings)
         return self._finish_step(drafts, times.start)
 
     def _catch_up_pending(self) -> tuple[int, int]:
