@@ -61,10 +61,11 @@ def engine_env(runner: str) -> dict[str, str]:
 
 
 def run_engine(spec: dict, workdir: Path, name: str, runner: str,
-               interpreter_backend: bool = True) -> dict:
-    """``tests.mrv2.engine`` on ``spec`` with ``runner`` ("v2" or "v1") in a fresh
-    process; its log is ``workdir/NAME.log``. ``interpreter_backend=False`` leaves the
-    Triton stub out (a control: vLLM then refuses MRV2)."""
+               interpreter_backend: bool = True, module: str = "tests.mrv2.engine") -> dict:
+    """``module`` (``tests.mrv2.engine``, or ``tests.mrv2.tree_engine`` for tree
+    engines) on ``spec`` with ``runner`` ("v2" or "v1") in a fresh process; its log is
+    ``workdir/NAME.log``. ``interpreter_backend=False`` leaves the Triton stub out (a
+    control: vLLM then refuses MRV2)."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out_path = workdir / f"{name}.spec.json", workdir / f"{name}.out.json"
     log_path = workdir / f"{name}.log"
@@ -72,7 +73,7 @@ def run_engine(spec: dict, workdir: Path, name: str, runner: str,
                                          interpreter_backend=interpreter_backend)))
     with open(log_path, "wb") as log:
         try:
-            proc = subprocess.run([sys.executable, "-m", "tests.mrv2.engine", str(spec_path),
+            proc = subprocess.run([sys.executable, "-m", module, str(spec_path),
                                    str(out_path)], cwd=ROOT, env=engine_env(runner),
                                   stdout=log, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -115,9 +115,16 @@ def check_engine(vllm_config: Any, num_nodes: int) -> None:
         raise _refuse("KV connectors (kv_transfer_config)",
                       "they would save the uncompacted tree slots of the KV cache")
     check_parallelism(vllm_config)
-    if getattr(vllm_config, "use_v2_model_runner", False):
-        raise _refuse("vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)",
-                      "the tree runner is built on the V1 model runner; unset it or set 0")
+    if versions.uses_model_runner_v2(vllm_config):
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        if device != "cpu":
+            raise _refuse(f"vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) on {device!r}",
+                          "the MRV2 tree runner is built on the CPU's; unset it or set 0")
+        # The MRV2 runner serves fixed trees only so far (vllm_glue/mrv2).
+        from vllm_treespec.vllm_glue.mrv2.checks import check_mrv2_tree
+        from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
+
+        check_mrv2_tree(tree_config_from_vllm(vllm_config))
     check_token_budget(num_nodes, vllm_config.scheduler_config.max_num_batched_tokens)
 
 

@@ -37,7 +37,10 @@ integration tests have passed on it, see the README's support matrix):
     from the request's generator, no longer with Exp(1) noise from it: tree
     steps draw seeded positions with vLLM's own op (``seeded_draws.seeded_draws``);
   - the V2 model runner is the default where Triton runs: tree engines fall
-    back to V1 (``keep_v1_model_runner``);
+    back to V1 (``keep_v1_model_runner``); asked for by name
+    (``VLLM_USE_V2_MODEL_RUNNER=1``, ``uses_model_runner_v2``), fixed trees run on
+    it (``vllm_glue/mrv2``), whose rejection sampler takes ``invalid_drafts`` (a
+    fourth argument newer releases drop: ``mrv2.sampler`` passes on what it gets);
   - EAGLE's drop of a prefix-cache hit's last block has a switch
     (``SpeculativeConfig.disable_eagle_block_drop``); 0.27.1 has none, and its
     KV cache coordinator's EAGLE groups are cleared instead
@@ -187,8 +190,9 @@ def keep_v1_model_runner(reason: str, applies: Callable[[Any], bool]) -> None:
     """0.32.0 picks its V2 model runner by default where Triton runs (CUDA, and CPUs
     with triton-cpu); the tree runner is built on V1. For configs ``applies`` to,
     V2 is reported as not supporting ``reason``, so vLLM falls back to V1 and says
-    why (``VLLM_USE_V2_MODEL_RUNNER=1`` is refused: ``support.check_engine``).
-    0.27.1 has no V2 default: nothing to do. Idempotent."""
+    why. ``VLLM_USE_V2_MODEL_RUNNER=1`` runs the MRV2 tree runner (``vllm_glue/mrv2``),
+    for the trees ``support.check_engine`` lets through. 0.27.1 has no V2 default:
+    nothing to do. Idempotent."""
     from vllm.config import VllmConfig
 
     original = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
@@ -197,7 +201,24 @@ def keep_v1_model_runner(reason: str, applies: Callable[[Any], bool]) -> None:
 
     def unsupported(self) -> list[str]:
         out = original(self)
-        return out + [reason] if applies(self) else out
+        # Asked for by name, V2 is what the engine runs (vLLM then refuses any
+        # feature listed here): the MRV2 tree runner serves it, and
+        # support.check_engine refuses what that runner does not serve yet.
+        return out + [reason] if applies(self) and not _model_runner_v2_asked() else out
 
     unsupported._treespec_wrapped = True  # type: ignore[attr-defined]
     VllmConfig._get_v2_model_runner_unsupported_features = unsupported
+
+
+def uses_model_runner_v2(vllm_config: Any) -> bool:
+    """Whether the engine runs vLLM's Model Runner V2 (0.32.0: where asked for with
+    ``VLLM_USE_V2_MODEL_RUNNER=1``, tree engines otherwise keep V1; 0.27.1 has no V2
+    runner and no such property)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+
+
+def _model_runner_v2_asked() -> bool:
+    """``VLLM_USE_V2_MODEL_RUNNER`` set true (vLLM's reading of it)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_USE_V2_MODEL_RUNNER)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_treespec.vllm_glue import cpu_attention, runner_class_swapped
+from vllm_treespec.vllm_glue import cpu_attention, runner_class_swapped, versions
 from vllm_treespec.vllm_glue.cpu_runner import tree_cpu_runner_class
 
 
@@ -21,6 +21,15 @@ class TreeCPUWorker(CPUWorker):
         model_config, cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
         cpu_attention.probe_kv_layout(model_config.dtype, cache_config.block_size,
                                       model_config.get_head_size())
+        if versions.uses_model_runner_v2(self.vllm_config):
+            # vLLM imports its MRV2 CPU runner by name inside init_device.
+            import vllm.v1.worker.cpu.model_runner as mrv2
+
+            from vllm_treespec.vllm_glue.mrv2.runner import tree_mrv2_runner_class
+
+            with runner_class_swapped(mrv2, "CPUModelRunner", tree_mrv2_runner_class, self):
+                super().init_device()
+            return
         # Checks that the worker built the tree runner (not, e.g., vLLM's V2 runner).
         with runner_class_swapped(cpu_worker, "CPUModelRunner", tree_cpu_runner_class, self):
             super().init_device()
