@@ -7,7 +7,10 @@ tree, the context of node i is ``output + path(i)`` and any node can supply the
 bonus token. So each tree request gets its target distribution at the nodes from
 the processing a plain step applies (allowed-token mask, repetition / frequency /
 presence penalties over ``output + path``, at the tokens they change:
-``tree.penalties``; temperature, top-k, top-p), then the acceptance rule: greedy
+``tree.penalties``; temperature, top-k, top-p), each node under its own grammar
+mask where the request has a grammar (``VerifyStep.grammar_masks``: a draft the
+grammar rejects has probability 0 at its parent, so it is never accepted, and
+every emitted token is one the grammar allows), then the acceptance rule: greedy
 longest path at temperature 0 (every node's argmax), lossless multi-draft
 rejection sampling otherwise (per request, in one batch over the sampled trees
 only), which processes the nodes its walk reaches only (``NodeLogits``,
@@ -24,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_treespec.engine.grammar import disallowed
 from vllm_treespec.engine.step import VerifyStep, node_rows
 from vllm_treespec.tree import (
     Acceptance,
@@ -82,8 +86,9 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 class NodeLogits:
-    """Target logits of tree nodes after the request's processing (allowed-token
-    mask; penalties over output + path, at the tokens they change), before
+    """Target logits of tree nodes after the request's processing (grammar mask
+    of the node; allowed-token mask; penalties over output + path, at the tokens
+    they change), before
     temperature: what greedy takes the argmax of. ``self[trees, nodes]`` ->
     [n, V] float32 for node ``nodes[i]`` of tree ``trees[i]``, computed for the
     nodes asked for only: a sampled tree's walk reads at most depth + 1 of its
@@ -102,6 +107,9 @@ class NodeLogits:
         x = self.logits[node_rows(self.step)[trees, nodes]].float()  # a copy: ours to edit
         s = self.sampling
         reqs = self.step.req_index[trees]
+        if self.step.grammar_masks is not None:  # as vLLM masks logits before its sampler
+            x.masked_fill_(disallowed(self.step.grammar_masks[trees, nodes], x.shape[1]),
+                           float("-inf"))
         if s.allowed_mask is not None:
             x.masked_fill_(s.allowed_mask[reqs], float("-inf"))
         if not s.no_penalties:
@@ -193,7 +201,7 @@ def accept_trees(logits: torch.Tensor, step: VerifyStep, sampling: TreeSampling,
     """Every tree's accepted path: greedy trees take the argmax of every node,
     sampled ones read their walk's nodes only. ``seeds``: batch row -> seed of
     the rows that have one."""
-    if sampling.plain_greedy:
+    if sampling.plain_greedy and step.grammar_masks is None:
         # Nothing to process: the argmax of the raw rows, without copying every
         # node's logits (the batch-1 step's common case).
         return greedy_accept(step.tree, row_argmax(logits)[node_rows(step)])

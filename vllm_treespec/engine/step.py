@@ -27,6 +27,10 @@ class VerifyStep:
     prepare_s: float = 0.0       # tensorize + positions + attention metadata
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
+    # [Bt, T, W] int32 grammar bitmask per node (``engine.grammar``: the tokens the
+    # grammar allows after the node's path; every bit set for a tree without one);
+    # None where no tree of the step is under a grammar.
+    grammar_masks: torch.Tensor | None = None
 
     @property
     def predicted(self) -> float:
