@@ -1,8 +1,8 @@
 """``eagle3_tree`` on Model Runner V2 (MRV2) under Triton's interpreter: fixed trees,
 greedy, decode exactly as plain MRV2 does, at batch 1 and with three concurrent
 prompts, and the trees are verified as trees (branching verify steps, counted by the
-runner). Negative control: without the accepted path's commit the output diverges,
-so the commit is what keeps it right.
+runner). Negative controls: without the accepted path's commit, or with the tree rows'
+rotary positions left linear, the output diverges: both are what keep it right.
 
 Run with ``bash scripts/test-mrv2.sh``; skipped otherwise (harness.GATE).
 """
@@ -63,9 +63,10 @@ def test_tree_mrv2_greedy_equals_plain_mrv2(target_dir, chat_prompts, plain_mrv2
           f"(3 prompts) {plain_mrv2['seconds']:.1f} s, counters {counters}")
 
 
-def test_tree_mrv2_without_the_commit_diverges(target_dir, chat_prompts, plain_mrv2,
-                                               tmp_path):
-    out = harness.run_engine(_spec(target_dir, chat_prompts, TREE, skip_commit=True),
-                             tmp_path, "no-commit", "v2", module="tests.mrv2.tree_engine")
-    assert out["counters"]["accepted_tokens"] > 0
+@pytest.mark.parametrize("control", ["skip_commit", "linear_positions"])
+def test_tree_mrv2_without_the_commit_or_tree_positions_diverges(
+        target_dir, chat_prompts, plain_mrv2, tmp_path, control):
+    out = harness.run_engine(_spec(target_dir, chat_prompts, TREE, **{control: True}),
+                             tmp_path, control, "v2", module="tests.mrv2.tree_engine")
+    assert out["counters"]["branching_steps"] > 0
     assert out["outputs"] != plain_mrv2["outputs"]

@@ -1,7 +1,8 @@
 """``tests.mrv2.engine`` for ``eagle3_tree`` engines on MRV2: the same run, plus the
 tree runner's counters (``TreeSteps.counters``) and, for the negative control, the
 accepted path's commit switched off (``"skip_commit": true``), in this one process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is here).
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is here); ``"linear_positions": true``
+leaves the tree rows' rotary positions linear instead.
 
     python -m tests.mrv2.tree_engine SPEC.json OUT.json
 """
@@ -31,6 +32,14 @@ def skip_commit(worker) -> bool:
     return True
 
 
+def linear_positions(worker) -> bool:
+    """The other negative control: the tree rows keep their linear rotary positions
+    (the model state's own ``prepare_inputs``, not the tree wrapper's)."""
+    state = worker.model_runner.model_state
+    state.prepare_inputs = state._inner.prepare_inputs
+    return True
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -42,6 +51,8 @@ def main(spec_path: str, out_path: str) -> None:
     runner = llm.collective_rpc(runner_class)[0]
     if spec.get("skip_commit"):
         llm.collective_rpc(skip_commit)
+    if spec.get("linear_positions"):
+        llm.collective_rpc(linear_positions)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     t0 = time.perf_counter()
     results = llm.generate(prompts, SamplingParams(**spec["sampling"]), use_tqdm=False)
