@@ -23,8 +23,8 @@ pytestmark = [
 
 MAX_TOKENS = 16
 TREE_RUNNER = "vllm_treespec.vllm_glue.mrv2.runner.TreeMRV2CPUModelRunner"
-# A fixed tree: the drafter's best path 4 deep, each level's second-best token as a
-# sibling (vllm_glue/mrv2/shapes.py).
+# A fixed-size dynamic tree: 4 levels of the top-2 frontier, reranked to 8 nodes
+# (vllm_glue/mrv2/trees.py).
 TREE = {"method": "eagle3_tree", "num_nodes": 8, "depth": 4, "top_k": 2,
         "adaptive": False, "copy_branches": 0}
 

@@ -1,5 +1,6 @@
 """The MRV2 tree slice's vLLM-free parts (``vllm_glue/mrv2``) on MRV2-shaped inputs:
-the tree shape, the step read from an input batch, tree acceptance where MRV2's
+the dynamic tree grown from the roots by the level loop and handed over as MRV2's
+drafts, the step read from an input batch, tree acceptance where MRV2's
 rejection sampler sits, the tree positions and rows from the model-state wrapper, and
 the commit. The engine runs are in tests/mrv2/test_tree_greedy.py."""
 
@@ -15,21 +16,75 @@ from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
 from vllm_treespec.vllm_glue.mrv2.checks import check_mrv2_tree
 from vllm_treespec.vllm_glue.mrv2.model_state import TreeModelState
 from vllm_treespec.vllm_glue.mrv2.sampler import TreeRejectionSampler
-from vllm_treespec.vllm_glue.mrv2.shapes import chain_with_siblings, node_picks
 from vllm_treespec.vllm_glue.mrv2.steps import TreeSteps
+from vllm_treespec.vllm_glue.mrv2.trees import grow_trees, level_step, tree_drafts
 
 V = 50
 
 
-def test_chain_with_siblings_is_bfs_with_siblings_under_the_chain():
-    # levels 3, top-2: chain a0 a1 a2, siblings b0 b1 b2; 5 nodes keep b0 and b1.
-    top = torch.tensor([[[10, 20], [11, 21], [12, 22]]])
-    tokens, parents = chain_with_siblings(top, 5)
-    assert node_picks(5, 3, 2) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
-    assert tokens.tolist() == [[10, 20, 11, 21, 12]]
-    assert parents == [0, 0, 1, 1, 3]
-    with pytest.raises(ValueError):
-        node_picks(7, 3, 2)
+CFG = TreeSpecConfig.from_dict({"adaptive": False, "copy_branches": 0, "num_nodes": 5,
+                                 "depth": 3, "top_k": 2})
+
+
+class LawDrafter:
+    """An ``engine.levels.LevelForwards`` whose hidden state is the one-hot of its
+    input token and whose next-token law is a table: after the root 0, token 1 is
+    likelier than 2, but 2's best child (5) beats every child of 1, so a dynamic
+    tree expands the sibling 2, which a best-path chain plus siblings never does."""
+
+    device = torch.device("cpu")
+    max_model_len = 64
+
+    def __init__(self, token_offset: int = 0):
+        self.token_offset = token_offset  # target id - draft id (a token map's shift)
+        law = torch.full((8, 8), 1e-3)
+        for t, nxt in {0: {1: 0.5, 2: 0.45}, 1: {3: 0.6, 4: 0.3}, 2: {5: 0.9, 6: 0.05},
+                       3: {7: 0.9}, 4: {7: 0.9}, 5: {7: 0.9}, 6: {7: 0.9}, 7: {0: 0.9}}.items():
+            for u, p in nxt.items():
+                law[t, u] = p
+        self.log_law = (law / law.sum(1, keepdim=True)).log()
+        self.positions: list[list[int]] = []
+
+    def draft_vocab_logprobs(self, hidden):
+        return hidden @ self.log_law
+
+    def side_level(self, step, width, side_offset, side_mask, *, input_ids, positions,
+                   hidden_states):
+        self.positions.append(positions.tolist())
+        hidden = torch.nn.functional.one_hot(input_ids.long() - self.token_offset, 8).float()
+        return hidden, hidden
+
+
+def test_trees_grow_level_by_level_from_the_roots_and_become_mrv2_drafts():
+    drafter = LawDrafter()
+    roots = torch.tensor([0, 0])
+    hidden = torch.nn.functional.one_hot(roots, 8).float()
+    # Request 1's new root sits at 20 (its rejected drafts beyond): its levels too.
+    step = level_step(CFG, torch.tensor([10, 20]), torch.zeros(2, 3, dtype=torch.long))
+    assert (step.width, step.depth, step.max_prefix, step.side_capacity) == (2, 3, 20, 4)
+    trees = grow_trees(CFG, drafter, drafter.draft_vocab_logprobs(hidden),
+                       hidden.unsqueeze(1), step, roots, CFG.num_nodes)
+    assert drafter.positions == [[10, 10, 20, 20], [11, 11, 21, 21]]  # P' + depth - 1
+    drafts, proposed = tree_drafts(trees, 7)
+    # BFS: 1 and 2 under the root, then 3 (under 1) and 5 (under the sibling 2),
+    # then 7 under 5: the likeliest path goes through the root's second child.
+    assert drafts.tolist() == [[1, 2, 3, 5, 7, -1, -1]] * 2
+    tree = proposed[1]
+    assert tree.tokens == [1, 2, 3, 5, 7] and tree.parents == [0, 0, 1, 2, 4]
+    path = drafter.log_law[0, 2] + drafter.log_law[2, 5]
+    assert tree.probs[3] == pytest.approx(float(path.exp()))  # the path's probability
+
+
+def test_a_token_map_turns_draft_ids_into_target_ids():
+    drafter = LawDrafter(token_offset=100)
+    roots = torch.tensor([0])
+    hidden = torch.nn.functional.one_hot(roots, 8).float()
+    trees = grow_trees(CFG, drafter, drafter.draft_vocab_logprobs(hidden),
+                       hidden.unsqueeze(1), level_step(CFG, torch.tensor([4]),
+                                                       torch.zeros(1, 1, dtype=torch.long)),
+                       roots, CFG.num_nodes, token_map=torch.arange(8) + 100)
+    # The levels forward target ids, as the drafter's embedding expects them.
+    assert tree_drafts(trees, 5)[0].tolist() == [[101, 102, 103, 105, 107]]
 
 
 def _batch(trees_tokens, parents, prefix_lens):
@@ -139,10 +194,13 @@ def test_drafts_that_are_not_the_proposed_tree_are_verified_as_a_chain():
 
 
 def test_mrv2_serves_fixed_trees_only():
-    check_mrv2_tree(TreeSpecConfig.from_dict({"adaptive": False, "copy_branches": 0,
-                                              "num_nodes": 8, "depth": 4, "top_k": 2}))
-    with pytest.raises(TreeSpecConfigError, match="adaptive"):
-        check_mrv2_tree(TreeSpecConfig.from_dict({"copy_branches": 0}))
-    with pytest.raises(TreeSpecConfigError, match="num_nodes"):
-        check_mrv2_tree(TreeSpecConfig.from_dict({"adaptive": False, "copy_branches": 0,
-                                                  "num_nodes": 9, "depth": 4, "top_k": 2}))
+    fixed = {"adaptive": False, "copy_branches": 0, "num_nodes": 8, "depth": 4, "top_k": 2}
+    check_mrv2_tree(TreeSpecConfig.from_dict(fixed))
+    refused = [({"copy_branches": 0}, "adaptive"),
+               (dict(fixed, num_nodes=9), "num_nodes"),
+               (dict(fixed, copy_branches=2), "copy branches"),
+               (dict(fixed, draft="parallel"), "'draft'"),
+               (dict(fixed, choices=[[0], [1], [0, 0]]), "choices")]
+    for cfg, name in refused:
+        with pytest.raises(TreeSpecConfigError, match=name):
+            check_mrv2_tree(TreeSpecConfig.from_dict(cfg))

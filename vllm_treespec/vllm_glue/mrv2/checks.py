@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
-from vllm_treespec.vllm_glue.mrv2.shapes import fits
+from vllm_treespec.vllm_glue.mrv2.trees import fits
 
 
 def check_mrv2_tree(tree: TreeSpecConfig | None) -> None:
@@ -21,7 +21,8 @@ def check_mrv2_tree(tree: TreeSpecConfig | None) -> None:
         refused.append("copy branches ('copy_branches': 0, 'cross_request_tokens': 0)")
     if not fits(tree.num_nodes, tree.depth, tree.top_k):
         refused.append(f"'num_nodes' {tree.num_nodes} > depth {tree.depth} x top_k "
-                       f"{tree.top_k} (a chain of 'depth' nodes plus top-k siblings)")
+                       f"{tree.top_k} (the nodes every dynamic tree has: MRV2 verifies "
+                       f"a fixed draft count)")
     if refused:
         raise TreeSpecConfigError(
             "eagle3_tree on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) serves "

@@ -1,38 +1,61 @@
-"""The EAGLE-3 drafter on MRV2, drafting a tree.
+"""The EAGLE-3 drafter on MRV2, growing a dynamic tree.
 
 ``propose`` commits the previous verify step's accepted path first (MRV2 calls it
-right after ``post_update``; the drafter's prefill shifts the verify step's input ids
-and reads its hidden states row by row, so they must already be the accepted chain),
-then runs vLLM's own drafting for ``levels`` levels: ``_prefill`` over the verify rows
-(the target's attention metadata and slots), then one-query-per-request decode steps
-along the best path. ``sample_draft`` keeps each level's top-k, whose lower ranks
-become the siblings of the chain's node at that level (``shapes``)."""
+right after ``post_update``; the drafter's first pass shifts the verify step's input
+ids and reads its hidden states row by row, so they must already be the accepted
+chain). Then vLLM's own first pass alone (``propose`` with one speculative token:
+``_prefill`` over the verify rows, on the target's attention metadata and slots),
+whose ``sample_draft`` keeps the log-probabilities after each new root. The levels
+below run through the engine's level loop (``trees.grow_trees``) on ``TreeLevels``,
+and the BFS trees go to MRV2 as ``[num_reqs, N]`` drafts."""
 
 from __future__ import annotations
 
 import torch
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 
+from vllm_treespec.attention import DraftTreeLevelMetadata
 from vllm_treespec.config import TreeSpecConfig
-from vllm_treespec.tree.proposed import ProposedTree
-from vllm_treespec.vllm_glue.mrv2.shapes import chain_with_siblings, levels_needed
+from vllm_treespec.engine.levels import LevelStep
 from vllm_treespec.vllm_glue.mrv2.steps import TreeSteps
+from vllm_treespec.vllm_glue.mrv2.trees import grow_trees, level_step, tree_drafts
 
 
 class TreeEagleSpeculator(EagleSpeculator):
     def __init__(self, vllm_config, device, tree_cfg: TreeSpecConfig, steps: TreeSteps):
         super().__init__(vllm_config, device)
         self.tree_cfg, self.steps = tree_cfg, steps
-        self._level_top: list[torch.Tensor] = []
+        self.levels = TreeLevels(self)
+        self._root_logprobs: torch.Tensor | None = None
+
+    def draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities over the drafter's own (reduced) vocabulary."""
+        logits = self.model.logits_processor(self.model.lm_head, hidden)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def token_map(self) -> torch.Tensor | None:
+        """Draft-vocabulary id -> target id (EAGLE-3's ``d2t`` holds the offsets)."""
+        d2t = getattr(self.model, "draft_id_to_target_id", None)
+        if d2t is None:
+            return None
+        cached = getattr(self, "_token_map_cache", None)
+        if cached is None or cached.shape[0] != d2t.shape[0]:
+            cached = self._token_map_cache = torch.arange(d2t.shape[0],
+                                                          device=d2t.device) + d2t.long()
+        return cached
 
     def sample_draft(self, hidden_states, sample_src_positions, idx_mapping, temperature,
                      seeds, draft_step, draft_logits, spec_step_idx: int = 0):
-        # Tree drafts are the drafter's top-k at every temperature: acceptance verifies
-        # each node as a proposal, losslessly, whichever tokens they are.
-        logits = self.compute_draft_logits(hidden_states, spec_step_idx)
-        top = logits.topk(min(self.tree_cfg.top_k, logits.shape[-1]), dim=-1).indices
-        self._level_top.append(top)
-        return top[:, 0]
+        # The first pass's only draw: the roots' log-probabilities seed the trees.
+        # Tree drafts are the drafter's best candidates at every temperature:
+        # acceptance verifies each node as a proposal, losslessly.
+        logprobs = self.draft_vocab_logprobs(hidden_states)
+        self._root_logprobs = logprobs
+        best = logprobs.argmax(dim=-1)
+        token_map = self.token_map()
+        return token_map[best] if token_map is not None else best
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -45,24 +68,71 @@ class TreeEagleSpeculator(EagleSpeculator):
             self.steps.commit(input_batch, last_hidden_states, aux_hidden_states)
         num_nodes = (self.num_speculative_steps if num_speculative_tokens is None
                      else num_speculative_tokens)
-        levels = levels_needed(num_nodes, self.tree_cfg.depth)
-        self._level_top = []
-        chain = super().propose(
+        self._root_logprobs = None
+        first = super().propose(
             input_batch, attn_metadata, slot_mappings, last_hidden_states,
             aux_hidden_states, num_sampled, num_rejected, last_sampled,
             next_prefill_tokens, temperature, seeds, dp_sync_state=dp_sync_state,
             dummy_run=dummy_run, skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-            mm_inputs=mm_inputs, is_profile=is_profile, num_speculative_tokens=levels)
-        num_reqs = input_batch.num_reqs
-        if num_nodes == 0 or not self._level_top:
-            return chain
-        # Each level's top-k, [num_reqs, levels, K]; the stock chain is rank 0.
-        top = torch.stack([t[:num_reqs] for t in self._level_top], dim=1)
-        drafts = torch.full((num_reqs, self.num_speculative_steps), -1,
-                            dtype=self.draft_tokens.dtype, device=self.draft_tokens.device)
-        tokens, parents = chain_with_siblings(top, num_nodes)
-        drafts[:, :num_nodes] = tokens.to(drafts.dtype)
-        if not dummy_run:
-            for b, toks in zip(input_batch.idx_mapping_np[:num_reqs].tolist(), tokens.tolist()):
-                self.steps.proposed[int(b)] = ProposedTree(toks, parents, [0.0] * num_nodes)
-        return drafts
+            mm_inputs=mm_inputs, is_profile=is_profile,
+            num_speculative_tokens=min(num_nodes, 1))
+        # A dummy run's batch has no block table of its own (the levels read the
+        # verify step's), and its drafts are dropped.
+        if dummy_run or num_nodes == 0 or self._root_logprobs is None:
+            return first
+        return self._tree_drafts(input_batch, num_rejected, num_nodes)
+
+    def _tree_drafts(self, input_batch, num_rejected: torch.Tensor,
+                     num_nodes: int) -> torch.Tensor:
+        B = input_batch.num_reqs
+        # The new root sits where the rejected drafts began: the drafter's KV (its
+        # first pass over the accepted chain) is valid below it.
+        prefix_len = input_batch.seq_lens[:B].long() - num_rejected[:B].long()
+        step = level_step(self.tree_cfg, prefix_len, self.steps.block_table[:B])
+        # _prefill left each root (the drafter's last input) and the drafter's
+        # hidden state there in its buffers.
+        roots = self.input_buffers.input_ids[self.last_token_indices[:B]]
+        parent_hidden = self.hidden_states[:B].clone().unsqueeze(1)
+        trees = grow_trees(self.tree_cfg, self.levels, self._root_logprobs[:B],
+                           parent_hidden, step, roots, num_nodes, self.token_map())
+        drafts, proposed = tree_drafts(trees, self.num_speculative_steps)
+        for b, tree in zip(input_batch.idx_mapping_np[:B].tolist(), proposed):
+            self.steps.proposed[int(b)] = tree
+        self.steps.counters["drafted_trees"] += B
+        return drafts.to(self.draft_tokens.dtype)
+
+
+class TreeLevels:
+    """MRV2's ``engine.levels.LevelForwards``: a level's frontier through the
+    drafter under vLLM's forward context, with ``DraftTreeLevelMetadata`` for the
+    drafter's attention layers (the tree backend's draft-level path: the paged
+    prefix plus a side buffer) and no slot mapping, so nothing of the draft tree is
+    written to the paged cache, as V1's ``draft_levels.side_buffer_forward``."""
+
+    def __init__(self, speculator: TreeEagleSpeculator):
+        self.spec = speculator
+
+    @property
+    def device(self) -> torch.device:
+        return self.spec.device
+
+    @property
+    def max_model_len(self) -> int:
+        return self.spec.max_model_len
+
+    def draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.spec.draft_vocab_logprobs(hidden)
+
+    def side_level(self, step: LevelStep, width: int, side_offset: int,
+                   side_mask: torch.Tensor, **inputs):
+        spec = self.spec
+        md = DraftTreeLevelMetadata(
+            batch_size=step.batch_size, width=width, side_offset=side_offset,
+            side_capacity=step.side_capacity, prefix_len=step.prefix_len,
+            max_prefix_len=step.max_prefix, block_table=step.block_table,
+            block_size=spec.steps.block_size, side_mask=side_mask, scratch=step.scratch)
+        with set_forward_context({name: md for name in spec.draft_attn_layer_names},
+                                 spec.vllm_config, num_tokens=step.batch_size * width,
+                                 cudagraph_runtime_mode=CUDAGraphMode.NONE, slot_mapping={}):
+            out = spec.model(**inputs)
+        return out if isinstance(out, tuple) else (out, out)
