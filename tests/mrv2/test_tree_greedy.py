@@ -1,7 +1,8 @@
 """``eagle3_tree`` on Model Runner V2 (MRV2) under Triton's interpreter: fixed trees,
 greedy, decode exactly as plain MRV2 does, at batch 1 and with three concurrent
 prompts, and the trees are verified as trees (branching verify steps, counted by the
-runner). Negative controls: without the accepted path's commit, or with the tree rows'
+runner), and their levels draft vLLM's own greedy chain along the likeliest path.
+Negative controls: without the accepted path's commit, or with the tree rows'
 rotary positions left linear, the output diverges: both are what keep it right.
 
 Run with ``bash scripts/test-mrv2.sh``; skipped otherwise (harness.GATE).
@@ -61,6 +62,18 @@ def test_tree_mrv2_greedy_equals_plain_mrv2(target_dir, chat_prompts, plain_mrv2
     assert counters["verified_trees"] >= counters["verify_steps"]
     print(f"\n{num_prompts} prompt(s): tree generate {out['seconds']:.1f} s, plain "
           f"(3 prompts) {plain_mrv2['seconds']:.1f} s, counters {counters}")
+
+
+def test_tree_mrv2_levels_draft_vllms_own_chain(target_dir, chat_prompts, tmp_path):
+    # The greedy path of each dynamic tree (its levels: side-buffer attention over
+    # the paged prefix) against vLLM's stock chain drafting (paged decode steps).
+    out = harness.run_engine(_spec(target_dir, chat_prompts[:1], TREE, check_chain=True),
+                             tmp_path, "chain", "v2", module="tests.mrv2.tree_engine")
+    counters = out["counters"]
+    assert counters["chain_checked"] >= counters["verify_steps"] > 0
+    assert counters["chain_level_nodes"] >= counters["chain_checked"]  # levels checked too
+    assert counters["chain_mismatch"] == 0, counters
+    print(f"\nchain control: {counters}")
 
 
 @pytest.mark.parametrize("control", ["skip_commit", "linear_positions"])

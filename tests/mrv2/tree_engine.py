@@ -2,7 +2,9 @@
 tree runner's counters (``TreeSteps.counters``) and, for the negative control, the
 accepted path's commit switched off (``"skip_commit": true``), in this one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the worker is here); ``"linear_positions": true``
-leaves the tree rows' rotary positions linear instead.
+leaves the tree rows' rotary positions linear instead. ``"check_chain": true`` also
+runs vLLM's own chain drafting after each tree and counts where the tree's greedy path
+differs from it (a control of the levels' attention: ``check_chain``).
 
     python -m tests.mrv2.tree_engine SPEC.json OUT.json
 """
@@ -40,6 +42,48 @@ def linear_positions(worker) -> bool:
     return True
 
 
+def greedy_path(tree) -> list[int]:
+    """The tree's path along each node's likeliest child: the drafter's greedy chain
+    (a child ranks below its parent, so a kept node's best child is kept first)."""
+    path, node = [], 0
+    while True:
+        kids = [i + 1 for i, p in enumerate(tree.parents) if p == node]
+        if not kids:
+            return path
+        node = max(kids, key=lambda i: tree.probs[i - 1])
+        path.append(tree.tokens[node - 1])
+
+
+def check_chain(worker) -> bool:
+    """After each step's tree, vLLM's stock drafting (its first pass again, then its
+    one-query decode steps over the paged cache, ``depth`` tokens) must draft the
+    tree's greedy path: the levels' side-buffer attention sees what the paged
+    kernel does. Its draft KV lands past the new roots, where stock MRV2 writes its
+    own and the next step overwrites it; the tree's drafts are what MRV2 verifies."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
+
+    spec = worker.model_runner.speculator
+    steps = worker.model_runner.tree_steps
+    tree_propose = spec.propose
+
+    def propose(input_batch, *args, **kwargs):
+        drafts = tree_propose(input_batch, *args, **kwargs)
+        if kwargs.get("dummy_run") or kwargs.get("num_speculative_tokens") == 0:
+            return drafts
+        depth = spec.tree_cfg.depth
+        chain = EagleSpeculator.propose(spec, input_batch, *args, **dict(
+            kwargs, num_speculative_tokens=depth))[:, :depth].tolist()
+        for b, state in enumerate(input_batch.idx_mapping_np[:input_batch.num_reqs].tolist()):
+            path = greedy_path(steps.proposed[int(state)])
+            steps.counters["chain_checked"] += 1
+            steps.counters["chain_level_nodes"] += max(len(path) - 1, 0)  # below the first pass
+            steps.counters["chain_mismatch"] += int(path != chain[b][:len(path)])
+        return drafts
+
+    spec.propose = propose
+    return True
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -53,6 +97,8 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(skip_commit)
     if spec.get("linear_positions"):
         llm.collective_rpc(linear_positions)
+    if spec.get("check_chain"):
+        llm.collective_rpc(check_chain)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     t0 = time.perf_counter()
     results = llm.generate(prompts, SamplingParams(**spec["sampling"]), use_tqdm=False)
