@@ -187,8 +187,8 @@ def break_stochastic_acceptance(worker) -> bool:
     import torch
 
     from vllm_treespec.bench.tree_reference import node_table
+    from vllm_treespec.engine import accept as engine_accept
     from vllm_treespec.tree import greedy_accept
-    from vllm_treespec.vllm_glue import tree_sampler
 
     def greedy_instead(tree, probs, uniforms=None, noise=None, generator=None):
         if callable(probs):  # distributions on demand: every node's
@@ -196,7 +196,7 @@ def break_stochastic_acceptance(worker) -> bool:
                                tree.tree_size)
         return greedy_accept(tree, torch.argmax(probs, dim=-1))
 
-    tree_sampler.stochastic_accept = greedy_instead
+    engine_accept.stochastic_accept = greedy_instead
     return True
 
 
@@ -212,14 +212,14 @@ def drop_sibling_renormalisation(worker) -> bool:
     the residual draw itself stay exact."""
     import inspect
 
+    from vllm_treespec.engine import accept as engine_accept
     from vllm_treespec.tree import accept
-    from vllm_treespec.vllm_glue import tree_sampler
 
     source = inspect.getsource(accept.stochastic_accept)
     assert source.count(SIBLING_RENORMALISATION) == 1, "the mutated line changed"
     namespace = dict(vars(accept))
     exec(source.replace(SIBLING_RENORMALISATION, "uniforms[:, d] < p_kid"), namespace)
-    tree_sampler.stochastic_accept = namespace["stochastic_accept"]
+    engine_accept.stochastic_accept = namespace["stochastic_accept"]
     return True
 
 
