@@ -30,7 +30,8 @@ V1_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
 # Per runner: what selects it. V1 is named explicitly, so that a future default cannot
 # turn the reference engine into a second MRV2 run.
 RUNNER_ENV = {
-    "v2": {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"},
+    "v2": {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
+           "VLLM_TREESPEC_MRV2_PREVIEW": "1"},  # the tree slice's opt-in (mrv2.checks)
     "v1": {"VLLM_USE_V2_MODEL_RUNNER": "0"},
 }
 

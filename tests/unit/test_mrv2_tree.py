@@ -193,8 +193,12 @@ def test_drafts_that_are_not_the_proposed_tree_are_verified_as_a_chain():
     assert steps.counters["branching_steps"] == 0
 
 
-def test_mrv2_serves_fixed_trees_only():
+def test_mrv2_serves_fixed_trees_only(monkeypatch):
     fixed = {"adaptive": False, "copy_branches": 0, "num_nodes": 8, "depth": 4, "top_k": 2}
+    monkeypatch.delenv("VLLM_TREESPEC_MRV2_PREVIEW", raising=False)
+    with pytest.raises(TreeSpecConfigError, match="VLLM_TREESPEC_MRV2_PREVIEW=1"):
+        check_mrv2_tree(TreeSpecConfig.from_dict(fixed))  # a preview, asked for by name
+    monkeypatch.setenv("VLLM_TREESPEC_MRV2_PREVIEW", "1")
     check_mrv2_tree(TreeSpecConfig.from_dict(fixed))
     refused = [({"copy_branches": 0}, "adaptive"),
                (dict(fixed, num_nodes=9), "num_nodes"),

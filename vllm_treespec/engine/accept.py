@@ -107,9 +107,10 @@ class NodeLogits:
         x = self.logits[node_rows(self.step)[trees, nodes]].float()  # a copy: ours to edit
         s = self.sampling
         reqs = self.step.req_index[trees]
-        if self.step.grammar_masks is not None:  # as vLLM masks logits before its sampler
-            x.masked_fill_(disallowed(self.step.grammar_masks[trees, nodes], x.shape[1]),
-                           float("-inf"))
+        masks = self.step.grammar_masks
+        if masks is not None:  # as vLLM masks logits before its sampler
+            rows = masks[trees.to(masks.device), nodes.to(masks.device)]
+            x.masked_fill_(disallowed(rows.to(x.device), x.shape[1]), float("-inf"))
         if s.allowed_mask is not None:
             x.masked_fill_(s.allowed_mask[reqs], float("-inf"))
         if not s.no_penalties:
