@@ -49,6 +49,28 @@ def slot_elements(kv_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v], 2).reshape(-1)
 
 
+def move_cache_slots(caches, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """KV of (block, offset) pairs ``src`` [N, 2] copied to ``dst`` in every cache
+    of ``caches`` (None entries skipped; a storage listed twice moved once: a move
+    done twice is wrong, a destination is also a source), all read before any is
+    written: two indexing ops a layer on the flat cache (``slot_elements``), the
+    indices computed once per cache shape."""
+    elements: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+    seen = set()
+    for cache in caches:
+        if cache is None or cache.data_ptr() in seen:
+            continue
+        seen.add(cache.data_ptr())
+        shape = tuple(cache.shape)
+        if shape not in elements:
+            bs = shape[2]
+            elements[shape] = (slot_elements(cache, src[:, 0] * bs + src[:, 1]),
+                               slot_elements(cache, dst[:, 0] * bs + dst[:, 1]))
+        read, write = elements[shape]
+        flat = cache.view(-1)
+        flat.index_copy_(0, write, flat.index_select(0, read))
+
+
 def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor,
                   head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of a CPU cache -> dense K, V as [B, KVH, nblk*block_size, Dh].

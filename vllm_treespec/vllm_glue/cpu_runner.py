@@ -8,7 +8,7 @@ import logging
 
 import torch
 
-from vllm_treespec.attention.cpu_layout import kv_views, slot_elements
+from vllm_treespec.attention.cpu_layout import kv_views, move_cache_slots
 from vllm_treespec.vllm_glue import cpu_linear, versions
 from vllm_treespec.vllm_glue.runner import TreeRunnerMixin, distinct_kv_caches
 
@@ -36,16 +36,8 @@ class _CPUDevice:
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Two indexing ops a layer on the flat cache (K and V of every head at
         once; per view, K's transposed layout made it ten)."""
-        elements: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-        for cache, _ in distinct_kv_caches(self.kv_caches, self._kv_views):
-            shape = tuple(cache.shape)
-            if shape not in elements:
-                bs = shape[2]
-                elements[shape] = (slot_elements(cache, src[:, 0] * bs + src[:, 1]),
-                                   slot_elements(cache, dst[:, 0] * bs + dst[:, 1]))
-            read, write = elements[shape]
-            flat = cache.view(-1)
-            flat.index_copy_(0, write, flat.index_select(0, read))
+        move_cache_slots((c for c, _ in distinct_kv_caches(self.kv_caches, self._kv_views)),
+                         src, dst)
 
     def _tree_attention_backend(self) -> type:
         from vllm_treespec.vllm_glue.cpu_attention import TreeCPUAttentionBackend

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from vllm_treespec.attention.cpu_layout import slot_elements
+from vllm_treespec.attention.cpu_layout import move_cache_slots
 from vllm_treespec.vllm_glue.mrv2.checks import check_mrv2_tree
 from vllm_treespec.vllm_glue.mrv2.model_state import TreeModelState
 from vllm_treespec.vllm_glue.mrv2.sampler import TreeRejectionSampler
@@ -62,21 +62,7 @@ class _TreeMRV2Runner:
     def _move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """KV of (block, offset) pairs ``src`` [N, 2] copied to ``dst`` in every
         layer's cache (each storage once), all read before any is written."""
-        elements, seen = {}, set()
-        for cache in self.kv_caches:
-            # Layers may share a cache; a move done twice is wrong (a destination
-            # is also a source).
-            if cache is None or cache.data_ptr() in seen:
-                continue
-            seen.add(cache.data_ptr())
-            shape = tuple(cache.shape)
-            if shape not in elements:
-                bs = shape[2]
-                elements[shape] = (slot_elements(cache, src[:, 0] * bs + src[:, 1]),
-                                   slot_elements(cache, dst[:, 0] * bs + dst[:, 1]))
-            read, write = elements[shape]
-            flat = cache.view(-1)
-            flat.index_copy_(0, write, flat.index_select(0, read))
+        move_cache_slots(self.kv_caches, src, dst)
 
 
 def tree_mrv2_runner_class(base: type) -> type:
