@@ -47,6 +47,16 @@ def install_interpreter_backend() -> None:
     triton.backends.backends.setdefault("cpu", SimpleNamespace(driver=_InterpreterDriver))
 
 
+def torch_top_k_top_p() -> None:
+    """vLLM's Triton top-k / top-p kernel fails under the interpreter (a program id
+    it calls ``.to`` on is a Python int there), so MRV2 engines here take vLLM's own
+    torch path for it, as vLLM does without Triton: plain and tree engines alike
+    (the tree's seeded draws call the same ``apply_top_k_top_p``)."""
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    topk_topp_sampler.HAS_TRITON = False
+
+
 def runner_class(worker) -> dict:
     """On the worker (``collective_rpc``): the model runner's class and its bases, and
     whether vLLM loaded our plugin there (it does wherever the package is installed)."""
@@ -64,6 +74,8 @@ def main(spec_path: str, out_path: str) -> None:
         install_interpreter_backend()
     from vllm import LLM, SamplingParams, TokensPrompt
 
+    if spec["runner"] == "v2":
+        torch_top_k_top_p()
     llm = LLM(**spec["engine"])
     runner = llm.collective_rpc(runner_class)[0]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]

@@ -5,6 +5,12 @@ accepted path's commit switched off (``"skip_commit": true``), in this one proce
 leaves the tree rows' rotary positions linear instead. ``"check_chain": true`` also
 runs vLLM's own chain drafting after each tree and counts where the tree's greedy path
 differs from it (a control of the levels' attention: ``check_chain``).
+T > 0 (``test_tree_sampling``): ``"sampling_per_prompt"`` (each prompt's settings over
+``"sampling"``), ``"oracle"`` (``tests.mrv2.oracle``'s trie trees), and the V1 tests'
+acceptance mutants ``"break_stochastic"`` / ``"drop_sibling_renormalisation"``
+(``tests.integration.oracle``: they patch ``engine.accept.stochastic_accept``).
+``"refused"``: {name: sampling} requests tried first, one at a time; each one's error
+(or its output, if it was served) is reported under ``"refusals"``.
 
     python -m tests.mrv2.tree_engine SPEC.json OUT.json
 """
@@ -15,7 +21,7 @@ import json
 import sys
 import time
 
-from tests.mrv2.engine import install_interpreter_backend, runner_class
+from tests.mrv2.engine import install_interpreter_backend, runner_class, torch_top_k_top_p
 
 
 def tree_counters(worker) -> dict:
@@ -84,29 +90,82 @@ def check_chain(worker) -> bool:
     return True
 
 
-def main(spec_path: str, out_path: str) -> None:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    if spec["runner"] == "v2":
-        install_interpreter_backend()
-    from vllm import LLM, SamplingParams, TokensPrompt
+def install_controls(llm, spec: dict) -> None:
+    """The spec's oracle and negative controls, on the worker (this process)."""
+    from tests.integration import oracle as v1_oracle
+    from tests.mrv2 import oracle
 
-    llm = LLM(**spec["engine"])
-    runner = llm.collective_rpc(runner_class)[0]
     if spec.get("skip_commit"):
         llm.collective_rpc(skip_commit)
     if spec.get("linear_positions"):
         llm.collective_rpc(linear_positions)
     if spec.get("check_chain"):
         llm.collective_rpc(check_chain)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    if spec.get("oracle"):
+        llm.collective_rpc(oracle.install, args=(spec["oracle"]["reference"],
+                                                 spec["oracle"].get("max_children")))
+    if spec.get("break_stochastic"):
+        llm.collective_rpc(v1_oracle.break_stochastic_acceptance)
+    if spec.get("drop_sibling_renormalisation"):
+        llm.collective_rpc(v1_oracle.drop_sibling_renormalisation)
+
+
+def try_refused(llm, prompt, base: dict, refused: dict) -> dict:
+    """Each of ``refused`` ({name: sampling}) as one request: its error, or the tokens
+    it was served (a refusal that did not happen)."""
+    from vllm import SamplingParams
+
+    report = {}
+    for name, sampling in refused.items():
+        try:
+            r = llm.generate([prompt], SamplingParams(**dict(base, **sampling)), use_tqdm=False)
+            report[name] = {"served": list(r[0].outputs[0].token_ids)}
+        except Exception as e:  # noqa: BLE001 -- the test reads what was raised
+            report[name] = {"error": f"{type(e).__name__}: {e}"}
+    return report
+
+
+def run_batch(llm, batch: dict) -> dict:
+    """One ``generate`` of ``batch`` ({"prompts", "sampling", "sampling_per_prompt"}):
+    its outputs, seconds, and the tree counters after it."""
+    from vllm import SamplingParams, TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in batch["prompts"]]
+    per_prompt = batch.get("sampling_per_prompt") or [{}] * len(prompts)
+    params = [SamplingParams(**dict(batch["sampling"], **s)) for s in per_prompt]
     t0 = time.perf_counter()
-    results = llm.generate(prompts, SamplingParams(**spec["sampling"]), use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    results = llm.generate(prompts, params, use_tqdm=False)
+    return {"outputs": [list(r.outputs[0].token_ids) for r in results],
+            "seconds": time.perf_counter() - t0,
+            "counters": llm.collective_rpc(tree_counters)[0]}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    """The spec's ``"batches"`` one after the other (each reported under its
+    ``"name"``), or its ``"prompts"`` as one batch (reported at the top level)."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if spec["runner"] == "v2":
+        install_interpreter_backend()
+    from vllm import LLM, TokensPrompt
+
+    if spec["runner"] == "v2":
+        torch_top_k_top_p()
+    llm = LLM(**spec["engine"])
+    runner = llm.collective_rpc(runner_class)[0]
+    install_controls(llm, spec)
+    batches = spec.get("batches") or [dict(spec, name=None)]
+    first = TokensPrompt(prompt_token_ids=batches[0]["prompts"][0])
+    refusals = try_refused(llm, first, batches[0]["sampling"], spec.get("refused", {}))
+    out = {"refusals": refusals, **runner}
+    for batch in batches:
+        result = run_batch(llm, batch)
+        if batch["name"] is None:
+            out.update(result)
+        else:
+            out[batch["name"]] = result
     with open(out_path, "w") as f:
-        json.dump({"outputs": [list(r.outputs[0].token_ids) for r in results],
-                   "seconds": seconds, "counters": llm.collective_rpc(tree_counters)[0],
-                   **runner}, f)
+        json.dump(out, f)
 
 
 if __name__ == "__main__":

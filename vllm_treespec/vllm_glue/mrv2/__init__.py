@@ -16,5 +16,9 @@ no copy branches, sequential drafting: ``checks.check_mrv2_tree``). Per step:
   ``prepare_inputs`` (slots stay linear), the tree rows (``TreeVerifyRows``) on the
   target layers' attention metadata through ``prepare_attn``.
 * ``sampler.TreeRejectionSampler``: vLLM's rejection sampler for the rows without a
-  tree, ``engine.accept`` for the trees; the accepted path + bonus as a chain's output.
+  tree, ``engine.accept`` for the trees (greedy; lossless at T > 0; seeded requests
+  with MRV2's own Gumbel draws, ``seeded``); the accepted path + bonus as a chain's
+  output.
+* ``requests``: the request parameters tree acceptance does not reproduce on MRV2,
+  refused by name at the frontend (a 400), installed by ``checks.check_mrv2_tree``.
 """

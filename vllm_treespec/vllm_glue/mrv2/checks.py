@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
+from vllm_treespec.vllm_glue.mrv2.requests import patch_mrv2_request_validation
 from vllm_treespec.vllm_glue.mrv2.trees import fits
 
 
-# The MRV2 slice is a preview run by the MRV2 test lane: it does not yet keep off
-# trees (V1's tree_safe), or refuse at the frontend, every request parameter whose
-# processing tree acceptance would skip there, so it runs only when asked for by name.
+# The MRV2 slice is a preview run by the MRV2 test lane: fixed trees only, and
+# requests with parameters V1 serves without a tree (penalties, logit bias, logprobs,
+# grammars...) are refused there (``requests``), so it runs only when asked for by name.
 PREVIEW = "VLLM_TREESPEC_MRV2_PREVIEW"
 
 
@@ -19,9 +20,9 @@ def check_mrv2_tree(tree: TreeSpecConfig | None) -> None:
     if os.environ.get(PREVIEW) != "1":
         raise TreeSpecConfigError(
             "eagle3_tree on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) is a preview "
-            "for its test lane: requests with logit bias, allowed token ids, min tokens, bad "
-            "words, structured output, penalties, min-p, logprobs or seeds are not yet served "
-            f"as plain vLLM serves them there. Set {PREVIEW}=1 to run it anyway (docs/mrv2.md), "
+            "for its test lane: fixed trees only, and requests with penalties, min-p at "
+            "temperature > 0, logit bias, allowed token ids, bad words, min tokens, structured "
+            f"output or logprobs are refused (400). Set {PREVIEW}=1 to run it (docs/mrv2.md), "
             "or VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner")
     if tree is None:
         raise TreeSpecConfigError("eagle3_tree on MRV2: no tree configuration found")
@@ -43,3 +44,6 @@ def check_mrv2_tree(tree: TreeSpecConfig | None) -> None:
             "eagle3_tree on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) serves "
             "fixed trees only so far; not supported there: " + "; ".join(refused)
             + " (docs/mrv2.md; or VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner)")
+    # Configuration runs in the frontend's process: the one place on MRV2 to refuse
+    # requests before they reach the engine.
+    patch_mrv2_request_validation()

@@ -1,12 +1,14 @@
 """Tree acceptance where MRV2 calls its rejection sampler.
 
 vLLM's ``RejectionSampler`` walks each request's rows in order and stops at the first
-rejection: a tree's siblings are not a chain. Here vLLM's sampler still runs for the
-whole batch (the rows without a tree, and the output's layout), on a copy of the
-logits, then every tree request's output row is replaced by ``engine.accept``'s
-accepted path + bonus, with ``num_sampled = accepted + 1`` and ``num_rejected =
-drafts - accepted``: what ``post_update`` and the scheduler count for a chain, which
-the speculator's commit then makes true of the KV."""
+rejection: a tree's siblings are not a chain. Every tree request's output row is
+``engine.accept``'s accepted path + bonus, with ``num_sampled = accepted + 1`` and
+``num_rejected = drafts - accepted``: what ``post_update`` and the scheduler count
+for a chain, which the speculator's commit then makes true of the KV. Greedy trees
+take every node's argmax; sampled ones the engine's lossless multi-draft rule, seeded
+ones with MRV2's own per-position Gumbel draws (``seeded.gumbel_draw``). vLLM's
+rejection sampler still runs for the whole batch, on a copy of the logits: the rows
+without a tree, and the output's layout."""
 
 from __future__ import annotations
 
@@ -14,20 +16,22 @@ import numpy as np
 import torch
 
 from vllm_treespec.engine.accept import SAMPLING_EPS, TreeSampling, accept_trees
+from vllm_treespec.vllm_glue.mrv2.seeded import gumbel_draw
 from vllm_treespec.vllm_glue.mrv2.steps import TreeSteps
 
 
 class TreeRejectionSampler:
     def __init__(self, stock, sampler, steps: TreeSteps):
         self.stock, self.sampler, self.steps = stock, sampler, steps
+        self.draw_seeded = gumbel_draw(getattr(sampler, "use_fp64_gumbel", False))
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None, *args):
         step = self.steps.step
         if step is None:
             return self.stock(logits, input_batch, draft_logits, *args)
+        sampling, seeds = self.tree_sampling(input_batch, step)
         out = self.stock(logits.clone(), input_batch, draft_logits, *args)
-        acc = accept_trees(logits, step, self.tree_sampling(input_batch, step), {},
-                           _no_seeded_draws)
+        acc = accept_trees(logits, step, sampling, seeds, self.draw_seeded)
         self.steps.accepted(acc)
         rows = step.req_index
         tokens = out.sampled_token_ids
@@ -40,40 +44,45 @@ class TreeRejectionSampler:
         out.num_rejected[rows] = n_draft - acc.num_accepted.to(n_draft.dtype)
         return out
 
-    def tree_sampling(self, input_batch, step) -> TreeSampling:
-        """What tree acceptance reads of MRV2's sampling state, per batch row. A tree
-        request whose parameters acceptance does not reproduce here is refused by name
-        rather than sampled differently from plain decoding."""
+    def tree_sampling(self, input_batch, step) -> tuple[TreeSampling, dict[int, int]]:
+        """What tree acceptance reads of MRV2's sampling state, per batch row, and
+        the seeds of sampled rows whose request set one (MRV2 draws every request
+        with a seed, a random one where none was set; those sample unseeded here,
+        from the same distribution). Parameters acceptance does not reproduce are
+        refused at the frontend (``requests``); should one get here, the step
+        fails by name rather than sampling differently from plain decoding."""
         idx = input_batch.idx_mapping_np
         tree_idx = idx[step.req_index.cpu().numpy()]
         states = self.sampler.sampling_states
         penalties = getattr(self.sampler, "penalties_state", None)
         _refuse_unsupported(states, penalties, tree_idx)
-        temperature = torch.from_numpy(states.temperature.np[idx].copy())
+        temp_np = states.temperature.np[idx]
+        temperature = torch.from_numpy(temp_np.copy())
         greedy = bool((temperature < SAMPLING_EPS).all())
         top_k = states.top_k.np[idx]
         top_p = states.top_p.np[idx]
         vocab = states.vocab_size
-        return TreeSampling(
+        sampling = TreeSampling(
             all_greedy=greedy, temperature=None if greedy else temperature,
             top_k=(None if np.all(top_k >= vocab) else torch.from_numpy(top_k.astype(np.int64))),
             top_p=None if np.all(top_p >= 1.0) else torch.from_numpy(top_p.copy()))
+        seeded = np.nonzero(states.seeds_set[idx] & (temp_np >= SAMPLING_EPS))[0]
+        seeds = {int(b): int(states.seeds.np[idx[b]]) for b in seeded}
+        return sampling, seeds
 
 
 def _refuse_unsupported(states, penalties, tree_idx: np.ndarray) -> None:
+    """The frontend's refusals (``requests.mrv2_refusal``), checked again on the
+    parameters MRV2's sampling state shows: a request that bypassed the frontend."""
     why = []
     if penalties is not None and np.any(penalties.use_penalty[tree_idx]):
         why.append("penalties")
-    if np.any(states.min_p.np[tree_idx] != 0.0):
+    # Greedy ignores min-p (it never removes the argmax).
+    if np.any((states.min_p.np[tree_idx] != 0.0)
+              & (states.temperature.np[tree_idx] >= SAMPLING_EPS)):
         why.append("min_p")
-    if np.any(states.seeds_set[tree_idx] & (states.temperature.np[tree_idx] != 0.0)):
-        why.append("a seed at temperature > 0")
     if np.any(states.num_logprobs[tree_idx] >= 0):
         why.append("logprobs")
     if why:
         raise NotImplementedError(f"eagle3_tree on MRV2 does not verify trees of requests "
-                                  f"with {', '.join(why)} yet (docs/mrv2.md)")
-
-
-def _no_seeded_draws(*_args):
-    raise AssertionError("seeded rows are refused before acceptance (_refuse_unsupported)")
+                                  f"with {', '.join(why)} (docs/mrv2.md)")
