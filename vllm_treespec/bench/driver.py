@@ -22,6 +22,9 @@ class TurnResult:
     ttft_s: float
     text: str
     accept_len: float | None = None  # concurrency 1 only (from /metrics deltas)
+    finish_reason: str | None = None  # "length": cut by max_tokens
+    # Streamed tool calls, [{"name", "arguments"}] (servers with a tool parser), or None
+    tool_calls: list[dict] | None = None
 
     @property
     def tok_s(self) -> float:
@@ -69,7 +72,7 @@ class Driver:
         t0 = time.perf_counter()
         ttft = None
         parts: list[str] = []
-        usage = None
+        usage, finish, calls = None, None, {}
         stream = self.client.chat.completions.create(
             model=self.server.served_name, messages=turn.messages, max_tokens=self.max_tokens,
             temperature=self.temperature, stream=True,
@@ -79,13 +82,24 @@ class Driver:
         for chunk in stream:
             if chunk.usage is not None:
                 usage = chunk.usage
-            if chunk.choices and chunk.choices[0].delta.content:
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                parts.append(chunk.choices[0].delta.content)
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            finish = choice.finish_reason or finish
+            if ttft is None and (choice.delta.content or choice.delta.tool_calls):
+                ttft = time.perf_counter() - t0
+            if choice.delta.content:
+                parts.append(choice.delta.content)
+            for tc in choice.delta.tool_calls or ():  # a call's name, then its arguments
+                call = calls.setdefault(tc.index, {"name": None, "arguments": ""})
+                if tc.function is not None:
+                    call["name"] = tc.function.name or call["name"]
+                    call["arguments"] += tc.function.arguments or ""
         e2e = time.perf_counter() - t0
         tokens = usage.completion_tokens if usage is not None else len(parts)
-        return TurnResult(turn.turn_id, turn.source, tokens, e2e, ttft or e2e, "".join(parts))
+        return TurnResult(turn.turn_id, turn.source, tokens, e2e, ttft or e2e, "".join(parts),
+                          finish_reason=finish,
+                          tool_calls=[calls[k] for k in sorted(calls)] or None)
 
     def run_sequential(self, turns: list[Turn], progress=None) -> list[TurnResult]:
         """Concurrency 1, with per-turn acceptance from /metrics deltas."""

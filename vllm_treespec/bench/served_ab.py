@@ -39,6 +39,13 @@ is a tree step), the drafting and verify-forward stages per tree from the
 server's ``stage_seconds`` counters, and the per-depth acceptance. Two fixed
 trees of one shape (same nodes, same depth) verify the same rows, so the ratio of
 their step costs is the speed ratio they would have at equal acceptance.
+
+``--suite structured_output`` (``bench/structured_suite.py``) gives every turn its own
+constraint (JSON schemas of three sizes, JSON mode, tool calls, regex, choice, an
+SQL grammar); a third table counts, per method and kind, the answers valid under
+their constraint (one cut by ``--max-tokens`` as truncated), those identical to the
+first method's, and the grammar-forced share of accepted tokens where a server
+counts forced tokens.
 """
 
 from __future__ import annotations
@@ -52,13 +59,15 @@ from pathlib import Path
 
 
 SUITES = ("pangu240", "code_edit", "long_file_edit", "mtbench2", "creative", "structured",
-          "code_workflow", "repeated_asks")
+          "code_workflow", "repeated_asks", "structured_output")
 
 
 def suite_turns(suite: str, n: int) -> list:
     """The first ``n`` turns of a suite (second MT-Bench turns still unresolved)."""
-    from vllm_treespec.bench import code_edits, pangu240, repetitive
+    from vllm_treespec.bench import code_edits, pangu240, repetitive, structured_suite
 
+    if suite == structured_suite.SUITE:
+        return structured_suite.build(n)[0]
     if suite in repetitive.SUITES:
         return repetitive.SUITES[suite](n)
     if suite == "code_edit":
@@ -101,7 +110,8 @@ def check_memory(first, count: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from vllm_treespec.assets import ensure_assets, ensure_tp_pair
-    from vllm_treespec.bench import slug, pangu240, parse_method, split_methods
+    from vllm_treespec.bench import slug, pangu240, parse_method, split_methods, \
+        structured_suite
     from vllm_treespec.bench.driver import Driver, accept_len_between, spec_counters
     from vllm_treespec.bench.report import (
         accepted_by_source, mean, pct, per_depth, stage_breakdown)
@@ -114,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                         "bench/code_edits.py; mtbench2: "
                         "MT-Bench second turns, after the first method's own first answers; "
                         "creative: MT-Bench's writing and roleplay first turns; structured, "
-                        "code_workflow, repeated_asks: bench/repetitive.py")
+                        "code_workflow, repeated_asks: bench/repetitive.py; "
+                        "structured_output: bench/structured_suite.py, each turn with "
+                        "its own constraint")
     p.add_argument("--turns", type=int, default=16, help="turns of the suite")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--eagle3-k", type=int, default=3)
@@ -129,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests in flight per server (rounds of this many turns)")
     p.add_argument("--serve-args", default=None,
                    help="default: --dtype float32 --max-model-len 4096 (8192 for "
-                        "long_file_edit) --seed 0 --max-num-seqs CONCURRENCY")
+                        "long_file_edit) --seed 0 --max-num-seqs CONCURRENCY; "
+                        "structured_output adds --enable-auto-tool-choice --tool-call-parser "
+                        "pythonic (a parser that takes any tokenizer)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: serves the head-padded pair (`vllm-treespec "
                         "assets --tp N`) with --tensor-parallel-size N, one core a rank")
@@ -141,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         max_len = 8192 if args.suite == "long_file_edit" else 4096
         args.serve_args = (f"--dtype float32 --max-model-len {max_len} --seed 0 "
                            f"--max-num-seqs {args.concurrency}")
+        if args.suite == "structured_output":  # named/"required" tool choices need a parser
+            args.serve_args += " --enable-auto-tool-choice --tool-call-parser pythonic"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     assets = ensure_assets()
@@ -167,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         kinds = json.loads(args.request_kinds) if args.request_kinds else None
         kind_of = {t.turn_id: kinds[i % len(kinds)] for i, t in enumerate(turns)} \
             if kinds else {}
+        # The suite's own constraints, --request-kinds' fields on top of them.
+        constraints = structured_suite.build(len(turns))[1] \
+            if args.suite == structured_suite.SUITE else {}
+        kind_of = {t.turn_id: {**constraints.get(t.turn_id, {}), **kind_of.get(t.turn_id, {})}
+                   for t in turns}
         drivers = {label: Driver(s, args.max_tokens, args.temperature, top_p=args.top_p,
                                  extra_for=lambda t: kind_of.get(t.turn_id))
                    for label, s in servers.items()}
@@ -245,9 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_ms_per_step": None if decode_s is None else 1e3 * decode_s / trees,
                 "stage_ms_per_tree": {k: 1e3 * v / trees for k, v in stages["seconds"].items()},
                 "accepted_by_source": accepted_by_source(before[label], after[label])}
+        if constraints:
+            summary["methods"][label]["structured"] = structured_suite.summarize(
+                constraints, rs, results[first], before[label], after[label])
     (out / "served_ab.json").write_text(json.dumps(summary, indent=1))
     print(table(summary, first))
     print(step_table(summary))
+    if constraints:
+        print(structured_suite.table(summary, first))
     return 0
 
 
