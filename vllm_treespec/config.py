@@ -34,6 +34,7 @@ DRAFT_MODES = ("sequential", "parallel")
 DEPTH_WEIGHT_RANGE = (0.25, 4.0)
 COPY_BRANCHES_RANGE = (0, 8)
 COPY_LENGTH_RANGE = (1, 32)
+GRAMMAR_FORCED_TOKENS_RANGE = (0, 32)
 # Tokens the cross-request store holds at most (about half a kilobyte of host
 # memory a token: tree.shared_suffixes); 0 turns copies from other requests off.
 CROSS_REQUEST_TOKENS_RANGE = (0, 262144)
@@ -106,6 +107,7 @@ _ALLOWED = {
     "cross_request_tokens": "an integer in [{}, {}]".format(*CROSS_REQUEST_TOKENS_RANGE),
     "cross_request_prompts": "true or false",
     "cross_request_unsalted": "true or false",
+    "grammar_forced_tokens": "an integer in [{}, {}]".format(*GRAMMAR_FORCED_TOKENS_RANGE),
 }
 
 
@@ -169,6 +171,11 @@ class TreeSpecConfig(BaseModel):
     cross_request_unsalted: requests without a ``cache_salt`` share too, among
         themselves (per LoRA adapter). Default false: such a request's output
         is never filed and it looks nothing up.
+    grammar_forced_tokens: structured-output requests (xgrammar) get trees
+        under their grammar: drafts it rejects are cut, and where it forces
+        tokens (a JSON key, a closing brace), up to this many are grafted as a
+        branch without drafting them (``vllm_glue.grammar_trees``). 0: the
+        grammar only cuts. Default 8.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -192,6 +199,8 @@ class TreeSpecConfig(BaseModel):
                                             le=CROSS_REQUEST_TOKENS_RANGE[1])
     cross_request_prompts: StrictBool = False
     cross_request_unsalted: StrictBool = False
+    grammar_forced_tokens: StrictInt = Field(8, ge=GRAMMAR_FORCED_TOKENS_RANGE[0],
+                                             le=GRAMMAR_FORCED_TOKENS_RANGE[1])
 
     def __init__(self, **data: Any) -> None:
         # Direct construction fails the way from_dict does.

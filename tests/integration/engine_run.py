@@ -18,6 +18,8 @@ SPEC: {"engine": {LLM kwargs}, "prompts": [[token ids]...], "sampling": {...},
        "slow_rank": {"rank", "factor"} | null (that tensor-parallel rank's clock runs
        factor times slow; every rank records its planned depths),
        "record_plans": bool (the adaptive budget's decisions, rank 0's),
+       "shift_grammar_masks": bool (negative control: each tree node's logits row
+                               masked with the next node's grammar mask),
        "scheduler_pads_drafts": bool (vLLM's -1 placeholder padding of joining
                                  requests restored: scheduling.disable_draft_padding undone),
        "chunk_faults": {"control_pad_locals": int} | null (page faults inside the
@@ -92,16 +94,26 @@ def main(spec_path: str, out_path: str) -> None:
         llm.collective_rpc(budget_hooks.record_plans)
     if spec.get("vllm_zero_drafts") and tree_mode:
         llm.collective_rpc(oracle.restore_vllm_zero_drafts)
+    if spec.get("shift_grammar_masks") and tree_mode:
+        oracle.shift_grammar_masks(llm.llm_engine.engine_core.engine_core.scheduler)
     if spec.get("scheduler_pads_drafts") and tree_mode:
         # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
         llm.llm_engine.engine_core.engine_core.scheduler.dynamic_sd_lookup = None
-    sampling = SamplingParams(**spec["sampling"])
+    def params(kwargs: dict) -> SamplingParams:  # structured output as JSON: a dict
+        if isinstance(kwargs.get("structured_outputs"), dict):
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs = dict(kwargs, structured_outputs=StructuredOutputsParams(
+                **kwargs["structured_outputs"]))
+        return SamplingParams(**kwargs)
+
+    sampling = params(spec["sampling"])
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     if spec.get("max_tokens_per_prompt"):  # requests finishing at different steps
-        sampling = [SamplingParams(**dict(spec["sampling"], max_tokens=m))
+        sampling = [params(dict(spec["sampling"], max_tokens=m))
                     for m in spec["max_tokens_per_prompt"]]
     if spec.get("sampling_per_prompt"):
-        sampling = [SamplingParams(**dict(spec["sampling"], **s))
+        sampling = [params(dict(spec["sampling"], **s))
                     for s in spec["sampling_per_prompt"]]
     t0 = time.perf_counter()
     results = []

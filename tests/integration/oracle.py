@@ -200,6 +200,23 @@ def break_stochastic_acceptance(worker) -> bool:
     return True
 
 
+def shift_grammar_masks(scheduler) -> None:
+    """Negative control of grammar trees (the engine core in this process): each
+    scheduled tree's bitmask rows shifted by one node, so node i's logits row is
+    masked with node i + 1's grammar state (the last row keeps its own)."""
+    from vllm_treespec.vllm_glue.grammar_trees import GrammarTrees
+
+    rows = GrammarTrees.rows
+
+    def shifted(self, matcher, drafts, parents, vocab_size):
+        out = rows(self, matcher, drafts, parents, vocab_size)
+        out[:-1] = out[1:].copy()
+        return out
+
+    assert scheduler.grammar_trees is not None
+    GrammarTrees.rows = shifted
+
+
 SIBLING_RENORMALISATION = "uniforms[:, d] * (1.0 - mass_before) < p_kid"
 
 

@@ -11,7 +11,9 @@ distribution per depth) pass the same tests with an oracle that gives those
 per-depth marginals (``parallel_oracle``). Two negative controls run the harness
 against engines with biased acceptance rules and must fail it: a gross one (greedy
 acceptance at T > 0) and a subtle one (later siblings accepted without
-renormalisation).
+renormalisation). The fourth prompt samples under a grammar (structured output):
+its trees are cut and grafted by the grammar, each node under its own mask; a
+third control shifts those masks by one node and must fail.
 """
 
 from __future__ import annotations
@@ -32,12 +34,18 @@ PROMPTS = [
     "Name one fruit.",
     "Pick a colour and say why you like it.",
     "Say a random animal.",
+    "Answer yes or no, then name an animal and its colour.",
 ]
-# One sampling setting per prompt: plain, nucleus, penalties + top-k.
+# A grammar that forces text between its choices (", the ", " is "); no answer
+# ends within LENGTH tokens, so every draw is LENGTH tokens long.
+ANIMAL = r"(Yes|No), the (cat|dog|owl|fox) is (red|blue|green|gray)\."
+# One sampling setting per prompt: plain, nucleus, penalties + top-k, a grammar
+# (structured output: trees under it, vllm_glue.grammar_trees).
 SETTINGS = [
     {"temperature": 1.0},
     {"temperature": 0.8, "top_p": 0.9},
     {"temperature": 0.9, "top_k": 40, "repetition_penalty": 1.3, "presence_penalty": 0.5},
+    {"temperature": 1.0, "structured_outputs": {"regex": ANIMAL}},
 ]
 # Samples per prompt per engine. A tree engine's verify steps at 128 requests are
 # compute-bound (each request verifies its whole tree), so N prices the suite: the
@@ -190,6 +198,19 @@ def test_harness_detects_unnormalised_siblings(samples, target_dir, random_draft
     assert metrics["per_depth_acceptance"][1] > 0.05, metrics  # trees were really used
     p = next_token_homogeneity_pvalue(plain[1], biased[0])
     assert p < ALPHA, f"the unnormalised-siblings rule passed the next-token test (p={p:.2e})"
+
+
+def test_harness_detects_shifted_grammar_masks(samples, target_dir, random_drafter,
+                                              engine_dir):
+    """Negative control of trees under a grammar: every node's logits row masked
+    with the next node's grammar state instead of its own fails the test."""
+    prompts, oracle, plain, _, _ = samples
+    shifted, metrics = draw(target_dir, prompts[3:], SETTINGS[3:], N_CONTROL, engine_dir,
+                            "tree_shifted_masks", seed=10,
+                            speculative_config=dict(TREE, model=str(random_drafter)),
+                            oracle=oracle, shift_grammar_masks=True)
+    assert metrics["trees"] > 0, metrics
+    assert homogeneity_pvalue(plain[3], shifted[0]) < 1e-6
 
 
 # Hybrid trees: a second turn that asks the model to repeat its first answer, so

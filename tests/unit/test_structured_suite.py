@@ -131,9 +131,9 @@ def test_forced_share_reads_a_forced_counter_only_when_present():
     before = {"vllm_treespec:accepted_tokens_total{source=\"drafter\"}": 10.0}
     after = {"vllm_treespec:accepted_tokens_total{source=\"drafter\"}": 50.0}
     assert ss.forced_share(before, after) is None
-    after["vllm_treespec:grammar_forced_accepted_tokens_total"] = 10.0
-    after["vllm_treespec:grammar_forced_accepted_tokens_created"] = 1e9  # not a count
-    assert ss.forced_share(before, after) == pytest.approx(10 / 40)
+    after['vllm_treespec:accepted_tokens_total{engine="0",source="grammar"}'] = 10.0
+    after['vllm_treespec:accepted_tokens_created{engine="0",source="grammar"}'] = 1e9
+    assert ss.forced_share(before, after) == pytest.approx(10 / 50)
 
 
 def test_summary_counts_kinds_identity_and_status():

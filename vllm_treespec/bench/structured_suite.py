@@ -304,11 +304,11 @@ def _delta(before: dict, after: dict, keep) -> float:
 
 
 def forced_share(before: dict, after: dict) -> float | None:
-    """Grammar-forced accepted tokens over all accepted tokens between two /metrics
-    scrapes, or None where the server exposes no counter with "forced" in its name
-    or labels (the tree server does not yet)."""
+    """Grammar-forced accepted tokens over all accepted draft tokens between two
+    /metrics scrapes (the tree server's ``vllm_treespec:accepted_tokens_total``
+    with ``source="grammar"``), or None where the server exposes no such series."""
     def forced(k):
-        return "forced" in k and k.split("{")[0].endswith("_total")
+        return k.startswith("vllm_treespec:accepted_tokens_total") and 'source="grammar"' in k
     if not any(forced(k) for k in after):
         return None
     n_forced = _delta(before, after, forced)

@@ -18,6 +18,9 @@ class ProposedTree:
     # source: own history or other requests).
     sources: list[int] | None = None
     branches: list[tuple[int, list[int], int]] = dataclasses.field(default_factory=list)
+    # Under a grammar (``vllm_glue.grammar_trees``): per node, whether the
+    # grammar's forced run grafted it (no drafter proposed it).
+    forced: list[bool] | None = None
 
     @classmethod
     def chain(cls, tokens) -> "ProposedTree":
@@ -32,4 +35,24 @@ class ProposedTree:
         return ProposedTree(self.tokens[:n], self.parents[:n], self.probs[:n],
                             None if self.sources is None else self.sources[:n],
                             [(m, [i for i in nodes if i <= n], src)
-                             for m, nodes, src in self.branches])
+                             for m, nodes, src in self.branches],
+                            None if self.forced is None else self.forced[:n])
+
+
+def kept_by_grammar(proposed: ProposedTree | None, tokens: list[int], parents: list[int],
+                    probs: list[float], origin: list[int]) -> ProposedTree:
+    """The tree a grammar walk kept of ``proposed`` (``vllm_glue.grammar_trees``):
+    node ``i`` is ``proposed``'s node ``origin[i]`` (1-based), or a forced token
+    grafted there (0). Copy sources and branches follow their nodes; without
+    the proposed tree (another rank's drafts), or where its tokens differ, they
+    are left out (the copy estimates learn nothing of the step)."""
+    forced = [o == 0 for o in origin]
+    if proposed is None or proposed.sources is None or any(
+            o and (o > len(proposed.tokens) or proposed.tokens[o - 1] != t)
+            for o, t in zip(origin, tokens)):
+        return ProposedTree(tokens, parents, probs, forced=forced)
+    new = {o: i + 1 for i, o in enumerate(origin) if o}
+    sources = [proposed.sources[o - 1] if o else 0 for o in origin]
+    branches = [(m, [new[i] for i in nodes if i in new], src)
+                for m, nodes, src in proposed.branches]
+    return ProposedTree(tokens, parents, probs, sources, branches, forced)

@@ -43,6 +43,8 @@ class Totals:
     copy_accepted: int = 0
     other_accepted: int = 0
     both_accepted: int = 0
+    # Accepted tokens a structured request's grammar forced (grafted, not drafted).
+    grammar_accepted: int = 0
     # The cross-request store (cross_request_tokens): lookups, those that found
     # a continuation, and the tokens it holds (a level, not a count).
     cross_request_lookups: int = 0
@@ -77,6 +79,7 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "copy_accepted": t.get("copy_accepted", 0),
         "other_accepted": t.get("other_accepted", 0),
         "both_accepted": t.get("both_accepted", 0),
+        "grammar_accepted": t.get("grammar_accepted", 0),
         "cross_request_lookups": t.get("cross_request_lookups", 0),
         "cross_request_hit_rate": t.get("cross_request_hits", 0)
         / max(t.get("cross_request_lookups", 0), 1),
@@ -108,7 +111,8 @@ def format_summary(s: dict[str, Any]) -> str:
               "copies both %d" % (s["copy_accepted"], s.get("other_accepted", 0),
                                   s["both_accepted"])
               if s.get("copy_accepted") or s.get("other_accepted") or s.get("both_accepted")
-              else "") + ("; cross-request lookups %d, hit rate %.2f" % (
+              else "") + ("; forced by grammars %d" % s["grammar_accepted"]
+                          if s.get("grammar_accepted") else "") + ("; cross-request lookups %d, hit rate %.2f" % (
                   s["cross_request_lookups"], s["cross_request_hit_rate"])
                   if s.get("cross_request_lookups") else "")
     return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
@@ -268,6 +272,15 @@ class TreeMetrics:
             t.copy_accepted += own
             t.other_accepted += other
             t.both_accepted += both
+
+    def on_grammar(self, trees, paths: list[list[int]]) -> None:
+        """Accepted tokens a grammar forced this step: nodes on the accepted
+        ``paths`` (node ids, the first accepted draft first) of ``trees``
+        (``ProposedTree``) that the grammar grafted."""
+        n = sum(sum(tree.forced[node - 1] for node in path)
+                for tree, path in zip(trees, paths) if tree.forced)
+        for t in self._both():
+            t.grammar_accepted += n
 
     def on_cross_request(self, store) -> None:
         """The cross-request store's lookups and hits since the last call (its

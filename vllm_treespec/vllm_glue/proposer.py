@@ -32,7 +32,7 @@ from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.observability import trace_dir_from
 from vllm_treespec.tree_fallback import validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
-from vllm_treespec.tree.proposed import ProposedTree
+from vllm_treespec.tree.proposed import ProposedTree, kept_by_grammar
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes
 from vllm_treespec.vllm_glue.copy_source import MAX_NGRAM, MIN_NGRAM, CopySource
@@ -384,16 +384,21 @@ class TreeEagleProposer(EagleProposer):
         return max(1, cfg.top_k * (cfg.depth - 1))
 
     # ------------------------------------------------------------------ verify
-    def tree_for(self, req_id: str, scheduled: list[int]) -> ProposedTree:
+    def tree_for(self, req_id: str, scheduled: list[int], shape=None) -> ProposedTree:
         """The tree of the scheduled drafts (a node's draft probability: the
         product of its path's; their sum is the drafts the proposer expects to be
         accepted).
 
         The scheduler may have truncated the drafts (token budget, max length): BFS
-        order keeps any prefix a valid tree. Drafts that do not match what was
-        proposed (e.g. placeholders after a fallback) are verified as a chain,
-        which is always correct.
+        order keeps any prefix a valid tree. ``shape``: the tree its grammar walk
+        kept (``grammar_trees.GrammarTree``; every rank gets the same). Drafts
+        that do not match what was proposed (e.g. placeholders after a fallback)
+        are verified as a chain, which is always correct.
         """
+        if shape is not None:
+            n = len(scheduled)
+            return kept_by_grammar(self.proposed.get(req_id), list(scheduled),
+                                   shape.parents[:n], shape.probs[:n], shape.origin[:n])
         if self.proposed_here(req_id, scheduled):
             return self.proposed[req_id].prefix(len(scheduled))
         return ProposedTree.chain(scheduled)

@@ -33,7 +33,8 @@ from vllm_treespec.engine.step import VerifyStep
 from vllm_treespec.vllm_glue.calibration import StepCostCalibration
 from vllm_treespec.vllm_glue.copy_source import eagle_outcome
 from vllm_treespec.vllm_glue.metrics import TreeMetrics
-from vllm_treespec.vllm_glue import rank_agreement, stats_channel, support, versions
+from vllm_treespec.vllm_glue import (
+    grammar_trees, rank_agreement, stats_channel, support, versions)
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
@@ -69,6 +70,7 @@ class TreeRunnerMixin(StepCostCalibration):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.tree_cfg = tree_config_from_vllm(vllm_config)
+        self.grammar_trees = grammar_trees.walked_by_scheduler(vllm_config)
         if hasattr(self, "drafter"):
             self.drafter = self._tree_proposer_class()(vllm_config, self.device, self)
         self._verify: VerifyStep | None = None
@@ -144,7 +146,16 @@ class TreeRunnerMixin(StepCostCalibration):
         for req_id in self.input_batch.req_ids[:num_reqs]:
             state = self.requests.get(req_id)
             emitted = sys.maxsize if later or state is None else len(state.output_token_ids)
-            out.append(state is not None and tree_safe(state.sampling_params, emitted))
+            out.append(state is not None
+                       and tree_safe(state.sampling_params, emitted, self.grammar_trees))
+        return out
+
+    def take_draft_token_ids(self):
+        # Structured requests' trees go to the scheduler with their shapes: it
+        # walks their grammars down them (``grammar_trees``).
+        out = super().take_draft_token_ids()
+        if out is not None and self.grammar_trees and hasattr(self, "drafter"):
+            grammar_trees.attach_parents(out, self.drafter, self.requests)
         return out
 
     # ------------------------------------------------------------- state
@@ -313,6 +324,9 @@ class TreeRunnerMixin(StepCostCalibration):
         req_ids = [self.input_batch.req_ids[i] for i in step.req_index.tolist()]
         drafted = (outcome if self.drafter.copies is None
                    else self._observe_copies(step, acc, outcome, req_ids))
+        if any(t.forced for t in step.proposed or ()):
+            self.tree_metrics.on_grammar(step.proposed, [
+                p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)])
         if self.adaptive_budget is not None and drafted is not None:
             self.adaptive_budget.observe_acceptance(drafted, step.depth, step.predicted)
         self.tree_metrics.on_verify(step, acc, outcome.accepted, t1 - t0,

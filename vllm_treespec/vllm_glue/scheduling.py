@@ -53,10 +53,11 @@ from typing import Any
 
 def patch_scheduler() -> None:
     """Wrap ``Scheduler.__init__`` (idempotent): tree engines' schedulers never pad,
-    reserve ``depth`` lookahead slots and keep prefix-cache hits whole."""
+    reserve ``depth`` lookahead slots, keep prefix-cache hits whole and walk
+    structured-output requests' grammars down their trees (``grammar_trees``)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from vllm_treespec.vllm_glue import versions
+    from vllm_treespec.vllm_glue import grammar_trees, versions
     from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
     original = Scheduler.__init__
@@ -73,6 +74,7 @@ def patch_scheduler() -> None:
                                       self.vllm_config.speculative_config)
             if tree.cross_request_tokens:  # refused without copy branches (config)
                 attach_tenants(self, tree.cross_request_unsalted)
+            grammar_trees.install(self, tree)
 
     __init__._treespec_wrapped = True  # type: ignore[attr-defined]
     Scheduler.__init__ = __init__

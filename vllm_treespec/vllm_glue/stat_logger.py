@@ -22,7 +22,8 @@ would see part of the steps). Series:
     vllm_treespec:accepted_tokens_total{source} (accepted drafts by who proposed them:
         "drafter"; "copy", copies only, one from the request's own history;
         "other_requests", copies from other requests only (``cross_request_tokens``);
-        "both", the drafter and a copy -- copy branches, ``copy_branches``),
+        "both", the drafter and a copy -- copy branches, ``copy_branches``;
+        "grammar", tokens a structured request's grammar forced, ``grammar_trees``),
     vllm_treespec:cross_request_lookups_total, vllm_treespec:cross_request_hits_total
         (lookups in the cross-request store, those that found a continuation),
     vllm_treespec:cross_request_cached_tokens (tokens the store holds),
@@ -117,7 +118,8 @@ class TreeStatLogger(StatLoggerBase):
             counter.inc(delta.get(key, 0))
         by_source = {"copy": delta.get("copy_accepted", 0),
                      "other_requests": delta.get("other_accepted", 0),
-                     "both": delta.get("both_accepted", 0)}
+                     "both": delta.get("both_accepted", 0),
+                     "grammar": delta.get("grammar_accepted", 0)}
         by_source["drafter"] = delta["emitted"] - delta["trees"] - sum(by_source.values())
         for source, n in by_source.items():
             self.by_source.labels(**self.labels, source=source).inc(max(n, 0))

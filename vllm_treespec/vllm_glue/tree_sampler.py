@@ -16,9 +16,12 @@ layout vLLM's sampler gives.
 * logprobs of emitted tokens come from the node rows that produced them.
 
 Requests whose sampling parameters need processing the engine does not do
-(min-p, logit bias, bad words, min-tokens still pending, structured output,
-custom logits processors, specific-token logprobs) are never given a tree
-(``tree_safe``): they decode normally in the same batch, losslessly.
+(min-p, logit bias, bad words, min-tokens still pending, structured output
+the scheduler cannot walk, custom logits processors, specific-token logprobs)
+are never given a tree (``tree_safe``): they decode normally in the same batch,
+losslessly. Structured output it walks (``grammar_trees``) reaches acceptance
+with each node's logits row already under that node's grammar mask (vLLM's
+``apply_grammar_bitmask``, rows from the scheduler's walk).
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ from vllm_treespec.vllm_glue.request_checks import refusal
 from vllm_treespec.vllm_glue.plain_rows import needs_whole_sampler, sample_rows_without_tree
 
 
-def tree_safe(params, num_output_tokens: int) -> bool:
-    """Whether a request's sampling parameters are reproduced exactly on tree nodes."""
+def tree_safe(params, num_output_tokens: int, grammar_trees: bool = False) -> bool:
+    """Whether a request's sampling parameters are reproduced exactly on tree nodes.
+    ``grammar_trees``: the scheduler walks structured-output grammars down trees
+    (``grammar_trees``; xgrammar's only, and not behind a reasoning parser)."""
     if params is None:
         return False
     if getattr(params, "min_p", 0.0) and params.temperature >= SAMPLING_EPS:
@@ -53,7 +58,9 @@ def tree_safe(params, num_output_tokens: int) -> bool:
         return False
     if getattr(params, "min_tokens", 0) and num_output_tokens < params.min_tokens:
         return False
-    if getattr(params, "structured_outputs", None) is not None:
+    structured = getattr(params, "structured_outputs", None)
+    if structured is not None and not (grammar_trees
+                                       and getattr(structured, "_backend", None) == "xgrammar"):
         return False
     if getattr(params, "logits_processors", None):
         return False

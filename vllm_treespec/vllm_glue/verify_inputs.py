@@ -22,6 +22,7 @@ from vllm_treespec.tree import TreeBatch
 from vllm_treespec.tree.proposed import ProposedTree
 from vllm_treespec.tree_fallback import validated
 from vllm_treespec.vllm_glue import rank_agreement
+from vllm_treespec.vllm_glue.grammar_trees import TREE_SHAPES
 
 
 def make_verify_step(runner, scheduler_output, spec_md) -> VerifyStep:
@@ -33,10 +34,12 @@ def make_verify_step(runner, scheduler_output, spec_md) -> VerifyStep:
     scheduled = sorted((index[r], r, d) for r, d in
                        scheduler_output.scheduled_spec_decode_tokens.items() if d)
     # The scheduler's drafts are rank 0's. A request whose drafts another rank
-    # did not propose is verified as a chain on every rank (rank_agreement).
+    # did not propose is verified as a chain on every rank (rank_agreement);
+    # one its grammar walk kept names its shape to every rank (grammar_trees).
+    shapes = getattr(scheduler_output, TREE_SHAPES, None) or {}
     as_chain = rank_agreement.any_rank_each(
-        [not runner.drafter.proposed_here(r, d) for _, r, d in scheduled])
-    trees = [ProposedTree.chain(d) if chain else runner.drafter.tree_for(r, d)
+        [r not in shapes and not runner.drafter.proposed_here(r, d) for _, r, d in scheduled])
+    trees = [ProposedTree.chain(d) if chain else runner.drafter.tree_for(r, d, shapes.get(r))
              for (_, r, d), chain in zip(scheduled, as_chain)]
     req_index = np.array([i for i, _, _ in scheduled], dtype=np.int64)
     # The root is the token just before the drafts, which vLLM schedules at the

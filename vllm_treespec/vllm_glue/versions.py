@@ -41,6 +41,10 @@ integration tests have passed on it, see the README's support matrix):
     (``VLLM_USE_V2_MODEL_RUNNER=1``, ``uses_model_runner_v2``), fixed trees run on
     it (``vllm_glue/mrv2``), whose rejection sampler takes ``invalid_drafts`` (a
     fourth argument newer releases drop: ``mrv2.sampler`` passes on what it gets);
+  - whether a structured-output request's grammar constrains its next token
+    (not yet, inside a reasoning parser's thinking part) is
+    ``StructuredOutputManager._get_constraint_bounds``; 0.27.1 asks
+    ``should_fill_bitmask`` (``grammar_constrains_next``);
   - EAGLE's drop of a prefix-cache hit's last block has a switch
     (``SpeculativeConfig.disable_eagle_block_drop``); 0.27.1 has none, and its
     KV cache coordinator's EAGLE groups are cleared instead
@@ -222,3 +226,15 @@ def _model_runner_v2_asked() -> bool:
     from vllm import envs
 
     return bool(envs.VLLM_USE_V2_MODEL_RUNNER)
+
+
+def grammar_constrains_next(manager: Any, request: Any) -> bool:
+    """Whether ``request``'s grammar masks its next token (``StructuredOutputManager``
+    ``manager``): always, unless a reasoning parser holds it off until the
+    thinking part ends. 0.32.0 reads that off ``_get_constraint_bounds`` (the
+    grammar starts at the first token: bounds (0, 0)); 0.27.1 off
+    ``should_fill_bitmask``."""
+    bounds = getattr(manager, "_get_constraint_bounds", None)
+    if bounds is not None:
+        return tuple(bounds(request, ())) == (0, 0)
+    return bool(manager.should_fill_bitmask(request))
