@@ -179,3 +179,17 @@ def test_the_worker_names_only_structured_trees_it_proposed():
     # Structured and its own tree (cut to the scheduled prefix): named. Unstructured,
     # or drafts that are not the tree proposed here: not.
     assert getattr(out, TREE_PARENTS) == {"s": ([0, 0], [0.5, 0.4])}
+
+
+def test_a_failing_walk_drops_the_tree_not_the_engine(g, monkeypatch):
+    a = request(g, "a")
+    sched, walks, calls = scheduler(g, [a])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("walk fault")
+
+    monkeypatch.setattr(grammar_trees, "walk_tree", broken)
+    out = drafts(g, ("a", g.tok.encode("name")))
+    setattr(out, TREE_PARENTS, {"a": ([0], [0.5])})
+    sched.update_draft_token_ids(out)
+    assert a.spec_token_ids == [] and "a" not in walks.shapes

@@ -34,9 +34,12 @@ where they can tell (``tree_sampler.tree_safe``); this is the scheduler's guard.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from vllm_treespec.engine.grammar import ForcedText, graft_forced, walk_tree
+
+logger = logging.getLogger("vllm.treespec")
 
 TREE_PARENTS = "tree_parents"  # DraftTokenIds attribute: {req_id: (parents, probs)}
 TREE_SHAPES = "tree_shapes"    # SchedulerOutput attribute: {req_id: GrammarTree}
@@ -155,7 +158,13 @@ class GrammarTrees:
                 rest_ids.append(req_id)
                 rest_drafts.append(drafts)
                 continue
-            request.spec_token_ids = self.kept_drafts(request, list(drafts), *tree)
+            try:
+                request.spec_token_ids = self.kept_drafts(request, list(drafts), *tree)
+            except Exception:  # a speculation fault must not end the engine: no drafts
+                logger.exception("eagle3_tree: the grammar walk of request %s's tree "
+                                 "failed; it decodes without drafts this step", req_id)
+                self.shapes.pop(req_id, None)
+                request.spec_token_ids = []
         if rest_ids:
             original(type(draft_token_ids)(rest_ids, rest_drafts))
 
