@@ -117,6 +117,9 @@ def try_refused(llm, prompt, base: dict, refused: dict) -> dict:
 
     report = {}
     for name, sampling in refused.items():
+        if "logit_bias" in sampling:  # JSON made its token ids strings
+            sampling = dict(sampling, logit_bias={int(k): v for k, v in
+                                                  sampling["logit_bias"].items()})
         try:
             r = llm.generate([prompt], SamplingParams(**dict(base, **sampling)), use_tqdm=False)
             report[name] = {"served": list(r[0].outputs[0].token_ids)}

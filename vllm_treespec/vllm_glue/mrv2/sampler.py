@@ -7,8 +7,9 @@ rejection: a tree's siblings are not a chain. Every tree request's output row is
 for a chain, which the speculator's commit then makes true of the KV. Greedy trees
 take every node's argmax; sampled ones the engine's lossless multi-draft rule, seeded
 ones with MRV2's own per-position Gumbel draws (``seeded.gumbel_draw``). vLLM's
-rejection sampler still runs for the whole batch, on a copy of the logits: the rows
-without a tree, and the output's layout."""
+rejection sampler runs for the whole batch, on a copy of the logits (the rows without
+a tree, and the output's layout), unless nothing it computes would be kept
+(``_stock_discarded``)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ class TreeRejectionSampler:
         if step is None:
             return self.stock(logits, input_batch, draft_logits, *args)
         sampling, seeds = self.tree_sampling(input_batch, step)
-        out = self.stock(logits.clone(), input_batch, draft_logits, *args)
+        if self._stock_discarded(input_batch, step, sampling):
+            out = self._empty_output(input_batch, logits.device)
+        else:
+            out = self.stock(logits.clone(), input_batch, draft_logits, *args)
         acc = accept_trees(logits, step, sampling, seeds, self.draw_seeded)
         self.steps.accepted(acc)
         rows = step.req_index
@@ -43,6 +47,33 @@ class TreeRejectionSampler:
         out.num_sampled[rows] = (acc.num_accepted + 1).to(out.num_sampled.dtype)
         out.num_rejected[rows] = n_draft - acc.num_accepted.to(n_draft.dtype)
         return out
+
+    def _stock_discarded(self, input_batch, step, sampling: TreeSampling) -> bool:
+        """Whether vLLM's rejection sampler would compute nothing kept: every request
+        verifies a tree, none asks for logprobs, and some samples at T > 0, where
+        its probabilistic verification of every row (a vocabulary's worth of work
+        per row, one interpreter program per row and block on the CPU lane) costs
+        the most. An all-greedy batch of trees still runs it (its kernels take no
+        noise and no draft logits there), as ``tests/unit/test_mrv2_tree.py`` pins."""
+        states = self.sampler.sampling_states
+        idx = input_batch.idx_mapping_np[:input_batch.num_reqs]
+        return (int(step.req_index.numel()) == input_batch.num_reqs
+                and not sampling.all_greedy
+                and int(np.max(states.num_logprobs[idx], initial=-1)) < 0
+                and not getattr(self.sampler, "compute_nans", False))
+
+    def _empty_output(self, input_batch, device):
+        """MRV2's ``SamplerOutput`` for a batch of trees, every row filled in by the
+        caller: the rejection sampler's dtypes and ``[num_reqs, k + 1]`` width."""
+        from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+        n = input_batch.num_reqs
+        width = int(getattr(self.stock, "num_speculative_steps", 0)) + 1
+        return SamplerOutput(
+            sampled_token_ids=torch.full((n, width), -1, dtype=torch.int64, device=device),
+            logprobs_tensors=None, num_nans=None,
+            num_sampled=torch.zeros(n, dtype=torch.int32, device=device),
+            num_rejected=torch.zeros(n, dtype=torch.int32, device=device))
 
     def tree_sampling(self, input_batch, step) -> tuple[TreeSampling, dict[int, int]]:
         """What tree acceptance reads of MRV2's sampling state, per batch row, and
