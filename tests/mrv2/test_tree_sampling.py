@@ -44,8 +44,8 @@ pytestmark = [
 # temperature, and nucleus + top-k.
 PROMPTS = ["Pick a number: 1, 2, 3 or 4. I pick number", "The four seasons are spring"]
 SETTINGS = [{"temperature": 1.0}, {"temperature": 0.8, "top_p": 0.9, "top_k": 40}]
-N = int(os.environ.get("TREESPEC_MRV2_SAMPLING_N") or 80)  # tree draws a prompt
-N_CONTROL = 300     # each control's draws (prompt 0 only; a tree engine draws cheaply)
+N = int(os.environ.get("TREESPEC_MRV2_SAMPLING_N") or 100)  # tree draws a prompt
+N_CONTROL = 600     # each control's draws (prompt 0 only; a tree engine draws cheaply)
 LENGTH = 2          # tokens a draw
 ALPHA = 1e-3        # a p-value below this fails a homogeneity test
 MIN_CONTEXT = 20    # prefixes both samples reach this often get a next-token test
