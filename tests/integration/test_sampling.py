@@ -53,6 +53,9 @@ SETTINGS = [
 # scripts/test.sh draws fewer on the other end of the vLLM range (it says why).
 N = int(os.environ.get("TREESPEC_SAMPLING_N") or 600)
 N_CONTROL = 200  # the greedy rule is far off; fewer samples suffice
+# The grammar prompt's outcomes are few (32 answers, a handful of token splits each),
+# and structured requests cost plain vLLM grammar work: half the draws (CI time).
+DRAWS = [N, N, N, N // 2]
 # Parallel drafting shares the acceptance rule with the test above; what differs is
 # how its trees are grown, and a wrong tree there is a gross error, which the gross
 # control shows these tests catch at N_CONTROL draws. The reference sample is still 2N.
@@ -69,21 +72,24 @@ PARALLEL_TREE = dict(TREE, draft="parallel", copy_branches=0)
 
 def draw(target_dir, prompts, settings, n, engine_dir, name, seed, engine=None, env=None,
          **extra):
-    """n samples of every prompt, all in one engine (one batch stream); ``engine``:
-    more engine settings, ``env``: more environment variables."""
+    """n samples of every prompt (``n``: a count, or one per prompt), all in one
+    engine (one batch stream); ``engine``: more engine settings, ``env``: more
+    environment variables."""
+    counts = [n] * len(prompts) if isinstance(n, int) else list(n)
     # Small blocks: the n copies of a prompt share its prefix-cached blocks (vLLM's CPU
     # default of 128 would leave these short prompts uncached and prefill dominating).
     spec = {"engine": base_engine(target_dir, max_num_seqs=128, seed=seed,
                                   block_size=small_block_size(), **(engine or {})),
-            "prompts": [p for p in prompts for _ in range(n)],
+            "prompts": [p for p, k in zip(prompts, counts) for _ in range(k)],
             "sampling": {"max_tokens": LENGTH, "ignore_eos": True},
-            "sampling_per_prompt": [s for s in settings for _ in range(n)]}
+            "sampling_per_prompt": [s for s, k in zip(settings, counts) for _ in range(k)]}
     if "speculative_config" in extra:
         spec["engine"]["speculative_config"] = extra.pop("speculative_config")
     spec.update(extra)
     out = run_engine(spec, engine_dir, name, extra_env=env)
     seqs = [tuple(o[0]) for o in out["outputs"]]
-    return [seqs[i * n:(i + 1) * n] for i in range(len(prompts))], out["tree"]
+    starts = [sum(counts[:i]) for i in range(len(prompts) + 1)]
+    return [seqs[a:b] for a, b in zip(starts, starts[1:])], out["tree"]
 
 
 def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: int = 20) -> float:
@@ -143,9 +149,10 @@ def samples(target_dir, tokenizer, random_drafter, engine_dir):
     # oracle's trie, and all 2N are the reference sample. The trie's half may serve:
     # a lossless tree emits target samples whatever trie drafted them, so its draws
     # are independent of that half under the hypothesis tested.
-    plain, _ = draw(target_dir, prompts, SETTINGS, 2 * N, engine_dir, "plain", seed=1)
+    plain, _ = draw(target_dir, prompts, SETTINGS, [2 * n for n in DRAWS], engine_dir,
+                    "plain", seed=1)
     oracle = trie_oracle(prompts, plain, N)
-    tree, metrics = draw(target_dir, prompts, SETTINGS, N, engine_dir, "tree", seed=3,
+    tree, metrics = draw(target_dir, prompts, SETTINGS, DRAWS, engine_dir, "tree", seed=3,
                          speculative_config=dict(TREE, model=str(random_drafter)),
                          oracle=oracle)
     return prompts, oracle, plain, tree, metrics

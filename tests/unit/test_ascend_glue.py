@@ -233,7 +233,7 @@ def _seat_request(runner, prefix, drafts, parents):
     runner.input_batch = NS(num_reqs=1, req_ids=["r0"], req_id_to_index={"r0": 0},
                             num_computed_tokens_cpu=np.array([prefix]), vocab_size=100)
     runner.input_ids = NS(gpu=torch.tensor([7, *drafts] + [0] * 60))
-    runner.drafter = NS(proposed_here=lambda r, d: True, tree_for=lambda r, d: tree,
+    runner.drafter = NS(proposed_here=lambda r, d: True, tree_for=lambda r, d, shape=None: tree,
                         last_depth=max(parents) + 1)
 
 
