@@ -120,6 +120,19 @@ def output_so_far(runner, b: int, state) -> tuple:
     return tuple(state.output_token_ids) + tuple(emitted)
 
 
+def build_tries(reference: dict[str, list[list[int]]]) -> dict[str, dict]:
+    """prompt key -> {output prefix: {next token: count}} from sampled outputs."""
+    tries = {}
+    for key, samples in reference.items():
+        trie: dict = {}
+        for out in samples:
+            for k in range(len(out)):
+                counts = trie.setdefault(tuple(out[:k]), {})
+                counts[out[k]] = counts.get(out[k], 0) + 1
+        tries[key] = trie
+    return tries
+
+
 def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
             mode: str = "greedy", max_children: int | None = None) -> bool:
     """collective_rpc target: wrap the worker's tree drafter with the oracle.
@@ -138,15 +151,7 @@ def install(worker, reference: dict, seed: int = 0, vocab: int = 49152,
     drafter = runner.drafter
     original = drafter.propose
     rng = random.Random(seed)
-    tries = {}
-    if mode == "trie":
-        for key, samples in reference.items():
-            trie: dict = {}
-            for out in samples:
-                for k in range(len(out)):
-                    counts = trie.setdefault(tuple(out[:k]), {})
-                    counts[out[k]] = counts.get(out[k], 0) + 1
-            tries[key] = trie
+    tries = build_tries(reference) if mode == "trie" else {}
 
     def propose(self, *args, **kwargs):
         drafts = original(*args, **kwargs)

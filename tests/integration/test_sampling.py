@@ -19,14 +19,12 @@ third control shifts those masks by one node and must fail.
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
-from scipy import stats
 
 from tests.integration.conftest import base_engine, run_engine, small_block_size
 from tests.integration.prompts import chat_token_ids
-from vllm_treespec.bench.homogeneity import contingency_table, homogeneity_pvalue
+from vllm_treespec.bench.homogeneity import homogeneity_pvalue, next_token_homogeneity_pvalue
 
 pytestmark = pytest.mark.vllm
 
@@ -92,38 +90,11 @@ def draw(target_dir, prompts, settings, n, engine_dir, name, seed, engine=None, 
     return [seqs[a:b] for a, b in zip(starts, starts[1:])], out["tree"]
 
 
-def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], min_context: int = 20) -> float:
-    """Chi-squared homogeneity of the next-token distributions after every output
-    prefix both samples reach at least ``min_context`` times, summed over prefixes.
-
-    A sequence's probability is the product of these conditionals, so the tests
-    are asymptotically independent and their statistics and degrees of freedom
-    add up. Unlike the whole-sequence test, whose outcomes spread over hundreds of
-    rare sequences, this one looks where trees decide: one node's siblings.
-    """
-    statistic, dof = 0.0, 0
-    for k in range(LENGTH):
-        after_a: dict[tuple, Counter] = {}
-        after_b: dict[tuple, Counter] = {}
-        for seqs, after in ((a, after_a), (b, after_b)):
-            for s in seqs:
-                after.setdefault(s[:k], Counter())[s[k]] += 1
-        for context, ca in after_a.items():
-            cb = after_b.get(context, Counter())
-            if min(ca.total(), cb.total()) < min_context:
-                continue
-            table = contingency_table(ca, cb)
-            if len(table[0]) > 1:
-                result = stats.chi2_contingency(table, correction=False)
-                statistic, dof = statistic + result.statistic, dof + result.dof
-    return float(stats.chi2.sf(statistic, dof)) if dof else 1.0
-
-
 def assert_homogeneous(a: list[tuple], b: list[tuple], label) -> None:
     """Both homogeneity tests pass: draws ``b`` come from the distribution of ``a``."""
     p = homogeneity_pvalue(a, b)
     assert p > ALPHA, f"{label}: distributions of sequences differ (p={p:.2e})"
-    p = next_token_homogeneity_pvalue(a, b)
+    p = next_token_homogeneity_pvalue(a, b, LENGTH)
     assert p > ALPHA, f"{label}: next-token distributions differ (p={p:.2e})"
 
 
@@ -203,7 +174,7 @@ def test_harness_detects_unnormalised_siblings(samples, target_dir, random_draft
                            oracle=dict(oracle, max_children=TREE["top_k"]),
                            drop_sibling_renormalisation=True)
     assert metrics["per_depth_acceptance"][1] > 0.05, metrics  # trees were really used
-    p = next_token_homogeneity_pvalue(plain[1], biased[0])
+    p = next_token_homogeneity_pvalue(plain[1], biased[0], LENGTH)
     assert p < ALPHA, f"the unnormalised-siblings rule passed the next-token test (p={p:.2e})"
 
 

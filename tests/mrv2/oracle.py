@@ -12,20 +12,7 @@ import random
 
 import torch
 
-from tests.integration.oracle import trie_tree
-
-
-def build_tries(reference: dict[str, list[list[int]]]) -> dict[str, dict]:
-    """prompt key -> {output prefix: {next token: count}} from the plain samples."""
-    tries = {}
-    for key, samples in reference.items():
-        trie: dict = {}
-        for out in samples:
-            for k in range(len(out)):
-                counts = trie.setdefault(tuple(out[:k]), {})
-                counts[out[k]] = counts.get(out[k], 0) + 1
-        tries[key] = trie
-    return tries
+from tests.integration.oracle import build_tries, trie_tree
 
 
 def with_decoys(rng: random.Random, tokens: list[int], parents: list[int], n: int,

@@ -20,7 +20,6 @@ Sizes are the interpreter's: every MRV2 kernel launch runs in numpy. Run with
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
 
@@ -29,7 +28,7 @@ from tests.integration.prompts import chat_token_ids
 from tests.mrv2 import harness
 from tests.mrv2.test_requests import REFUSED, SERVED
 from tests.mrv2.test_tree_greedy import TREE, TREE_RUNNER
-from vllm_treespec.bench.homogeneity import contingency_table, homogeneity_pvalue
+from vllm_treespec.bench.homogeneity import homogeneity_pvalue, next_token_homogeneity_pvalue
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
@@ -152,36 +151,10 @@ def test_seeded_requests_decode_what_plain_mrv2_decodes(plain, tree):
     assert after["verified_trees"] > before["verified_trees"]
 
 
-def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple]) -> float:
-    """The V1 tests' next-token test (``tests/integration/test_sampling.py``) for
-    draws of LENGTH tokens: chi-squared homogeneity of the next token after every
-    prefix both samples reach MIN_CONTEXT times, statistics and degrees of freedom
-    summed over prefixes (asymptotically independent: a sequence's probability is
-    the product of these conditionals)."""
-    from scipy import stats
-
-    statistic, dof = 0.0, 0
-    for k in range(LENGTH):
-        after_a: dict[tuple, Counter] = {}
-        after_b: dict[tuple, Counter] = {}
-        for seqs, after in ((a, after_a), (b, after_b)):
-            for s in seqs:
-                after.setdefault(s[:k], Counter())[s[k]] += 1
-        for context, ca in after_a.items():
-            cb = after_b.get(context, Counter())
-            if min(ca.total(), cb.total()) < MIN_CONTEXT:
-                continue
-            table = contingency_table(ca, cb)
-            if len(table[0]) > 1:
-                result = stats.chi2_contingency(table, correction=False)
-                statistic, dof = statistic + result.statistic, dof + result.dof
-    return float(stats.chi2.sf(statistic, dof)) if dof else 1.0
-
-
 def assert_homogeneous(a, b, label) -> None:
     p = homogeneity_pvalue(a, b)
     assert p > ALPHA, f"{label}: distributions of sequences differ (p={p:.2e})"
-    p = next_token_homogeneity_pvalue(a, b)
+    p = next_token_homogeneity_pvalue(a, b, LENGTH, MIN_CONTEXT)
     assert p > ALPHA, f"{label}: next-token distributions differ (p={p:.2e})"
 
 
@@ -204,7 +177,7 @@ def test_biased_acceptance_fails_the_homogeneity_tests(target_dir, prompts, plai
     out = harness.run_engine(spec, tmp_path, control, "v2", module="tests.mrv2.tree_engine")
     biased = [tuple(o) for o in out["sampled"]["outputs"]]
     p_seq = homogeneity_pvalue(plain["draws"][0], biased)
-    p_next = next_token_homogeneity_pvalue(plain["draws"][0], biased)
+    p_next = next_token_homogeneity_pvalue(plain["draws"][0], biased, LENGTH, MIN_CONTEXT)
     print(f"\n{control}: p(sequences) {p_seq:.2e}, p(next token) {p_next:.2e}")
     assert min(p_seq, p_next) < ALPHA, (p_seq, p_next)
 

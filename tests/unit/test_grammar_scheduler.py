@@ -6,7 +6,6 @@ bitmask row is a fresh matcher fed the node's path."""
 
 from __future__ import annotations
 
-import json
 import types
 
 import numpy as np
@@ -18,26 +17,8 @@ from vllm_treespec.vllm_glue.grammar_trees import TREE_PARENTS, TREE_SHAPES, Gra
 
 xgr = pytest.importorskip("xgrammar")
 
-SCHEMA = {"type": "object",
-          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-          "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def g():
-    from transformers import AutoTokenizer
-
-    from vllm_treespec.assets import cache_home, ensure_target
-
-    home = cache_home()
-    home.mkdir(parents=True, exist_ok=True)
-    target = ensure_target(home)
-    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-    tok = AutoTokenizer.from_pretrained(target)
-    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA),
-                                                              any_whitespace=False)
-    return types.SimpleNamespace(tok=tok, V=vocab, compiled=compiled)
+# The embedded tokenizer and the compiled two-key schema, as the walk's own tests use.
+from tests.unit.test_grammar_tree import g  # noqa: E402,F401  (a module fixture)
 
 
 def request(g, req_id, prefix='{"', structured=True):

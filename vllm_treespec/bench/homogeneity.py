@@ -24,3 +24,34 @@ def homogeneity_pvalue(a: list, b: list) -> float:
     from scipy import stats
 
     return stats.chi2_contingency(contingency_table(Counter(a), Counter(b))).pvalue
+
+
+def next_token_homogeneity_pvalue(a: list[tuple], b: list[tuple], length: int,
+                                  min_context: int = 20) -> float:
+    """Chi-squared homogeneity of the next-token distributions after every output
+    prefix (of draws ``length`` tokens long) both samples reach at least
+    ``min_context`` times, summed over prefixes.
+
+    A sequence's probability is the product of these conditionals, so the tests
+    are asymptotically independent and their statistics and degrees of freedom
+    add up. Unlike the whole-sequence test, whose outcomes spread over hundreds of
+    rare sequences, this one looks where trees decide: one node's siblings.
+    """
+    from scipy import stats
+
+    statistic, dof = 0.0, 0
+    for k in range(length):
+        after_a: dict[tuple, Counter] = {}
+        after_b: dict[tuple, Counter] = {}
+        for seqs, after in ((a, after_a), (b, after_b)):
+            for s in seqs:
+                after.setdefault(s[:k], Counter())[s[k]] += 1
+        for context, ca in after_a.items():
+            cb = after_b.get(context, Counter())
+            if min(ca.total(), cb.total()) < min_context:
+                continue
+            table = contingency_table(ca, cb)
+            if len(table[0]) > 1:
+                result = stats.chi2_contingency(table, correction=False)
+                statistic, dof = statistic + result.statistic, dof + result.dof
+    return float(stats.chi2.sf(statistic, dof)) if dof else 1.0

@@ -14,7 +14,8 @@ in any batch, are refused there:
   plain vLLM's once the budget runs out.
 
 Everything else a request can ask for is served, with a tree or without one
-(``tree_sampler.tree_safe``).
+(``tree_sampler.tree_safe``); on vLLM's Model Runner V2, which has no tree-free
+rows yet, more are refused the same way (``mrv2.requests.mrv2_refusal``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def patch_request_validation() -> None:
     from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
+    from vllm_treespec.vllm_glue.mrv2.requests import mrv2_refusal
+    from vllm_treespec.vllm_glue.versions import uses_model_runner_v2
+
     original = InputProcessor._validate_params
     if getattr(original, "_treespec_wrapped", False):
         return
@@ -60,6 +64,8 @@ def patch_request_validation() -> None:
         result = original(self, params, *args, **kwargs)
         if tree_config_from_vllm(self.vllm_config) is not None:
             refused = refusal(params)
+            if refused is None and uses_model_runner_v2(self.vllm_config):
+                refused = mrv2_refusal(params)  # MRV2 has no tree-free rows yet
             if refused is not None:
                 name, value, message = refused
                 raise VLLMValidationError(message, parameter=name, value=value)

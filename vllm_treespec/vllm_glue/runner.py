@@ -322,11 +322,14 @@ class TreeRunnerMixin(StepCostCalibration):
         self._commit(step, acc)
         outcome = Outcome.of(step.tree, acc)
         req_ids = [self.input_batch.req_ids[i] for i in step.req_index.tolist()]
+        forced = any(t.forced for t in step.proposed or ())
+        # Accepted node ids of each tree, the first accepted draft first.
+        paths = ([p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
+                 if forced or self.drafter.copies is not None else None)
         drafted = (outcome if self.drafter.copies is None
-                   else self._observe_copies(step, acc, outcome, req_ids))
-        if any(t.forced for t in step.proposed or ()):
-            self.tree_metrics.on_grammar(step.proposed, [
-                p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)])
+                   else self._observe_copies(step, outcome, paths, req_ids))
+        if forced:
+            self.tree_metrics.on_grammar(step.proposed, paths)
         if self.adaptive_budget is not None and drafted is not None:
             self.adaptive_budget.observe_acceptance(drafted, step.depth, step.predicted)
         self.tree_metrics.on_verify(step, acc, outcome.accepted, t1 - t0,
@@ -335,12 +338,11 @@ class TreeRunnerMixin(StepCostCalibration):
         self._verify = None
         return out
 
-    def _observe_copies(self, step: VerifyStep, acc, outcome: Outcome,
+    def _observe_copies(self, step: VerifyStep, outcome: Outcome, paths: list[list[int]],
                         req_ids: list[str]) -> Outcome | None:
         """Copy branches' acceptance learned and counted; returns what the
         drafter's own nodes accepted (``copy_source.eagle_outcome``)."""
         copies = self.drafter.copies
-        paths = [p[1: 1 + a] for p, a in zip(acc.path.tolist(), outcome.accepted)]
         self.tree_metrics.on_copies(*copies.observe(step.proposed, paths, req_ids))
         return eagle_outcome(outcome, step.proposed, paths)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
-from vllm_treespec.vllm_glue.mrv2.requests import patch_mrv2_request_validation
 from vllm_treespec.vllm_glue.mrv2.trees import fits
 
 
@@ -44,6 +43,3 @@ def check_mrv2_tree(tree: TreeSpecConfig | None) -> None:
             "eagle3_tree on vLLM's Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1) serves "
             "fixed trees only so far; not supported there: " + "; ".join(refused)
             + " (docs/mrv2.md; or VLLM_USE_V2_MODEL_RUNNER=0 for the V1 runner)")
-    # Configuration runs in the frontend's process: the one place on MRV2 to refuse
-    # requests before they reach the engine.
-    patch_mrv2_request_validation()

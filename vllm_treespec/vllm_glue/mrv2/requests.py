@@ -56,35 +56,3 @@ def mrv2_refusal(params: Any) -> tuple[str, Any, str] | None:
                 f"not serve ({why}); allowed: unset, or the V1 runner "
                 f"(VLLM_USE_V2_MODEL_RUNNER=0), which serves it (docs/mrv2.md)")
     return None
-
-
-def patch_mrv2_request_validation() -> None:
-    """Wrap ``InputProcessor._validate_params`` (idempotent): on an engine running
-    eagle3_tree on MRV2, a refused parameter raises vLLM's validation error after
-    vLLM's own checks (and the V1 refusals of ``request_checks``) pass. Installed
-    from the MRV2 checks, the one MRV2 hook that runs in the frontend's process
-    (configuration)."""
-    from vllm.exceptions import VLLMValidationError
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
-    from vllm_treespec.vllm_glue.versions import uses_model_runner_v2
-
-    original = InputProcessor._validate_params
-    if getattr(original, "_treespec_mrv2_wrapped", False):
-        return
-
-    def _validate_params(self, params, *args, **kwargs):
-        result = original(self, params, *args, **kwargs)
-        if (uses_model_runner_v2(self.vllm_config)
-                and tree_config_from_vllm(self.vllm_config) is not None):
-            refused = mrv2_refusal(params)
-            if refused is not None:
-                name, value, message = refused
-                raise VLLMValidationError(message, parameter=name, value=value)
-        return result
-
-    _validate_params._treespec_mrv2_wrapped = True  # type: ignore[attr-defined]
-    # request_checks' own guard looks for this mark: keep it on the outer wrapper.
-    _validate_params._treespec_wrapped = getattr(original, "_treespec_wrapped", False)
-    InputProcessor._validate_params = _validate_params
