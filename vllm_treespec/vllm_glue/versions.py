@@ -45,6 +45,9 @@ integration tests have passed on it, see the README's support matrix):
     (not yet, inside a reasoning parser's thinking part) is
     ``StructuredOutputManager._get_constraint_bounds``; 0.27.1 asks
     ``should_fill_bitmask`` (``grammar_constrains_next``);
+  - the xgrammar backend compiles a request's grammar with its stop tokens
+    (``compile_grammar(..., stop_token_ids)``); 0.27.1 without
+    (``compile_request_grammar``);
   - EAGLE's drop of a prefix-cache hit's last block has a switch
     (``SpeculativeConfig.disable_eagle_block_drop``); 0.27.1 has none, and its
     KV cache coordinator's EAGLE groups are cleared instead
@@ -238,3 +241,20 @@ def grammar_constrains_next(manager: Any, request: Any) -> bool:
     if bounds is not None:
         return tuple(bounds(request, ())) == (0, 0)
     return bool(manager.should_fill_bitmask(request))
+
+
+def compile_request_grammar(backend: Any, params: Any) -> Any:
+    """The grammar of a request with ``params`` (its ``SamplingParams``), compiled
+    by ``backend`` (vLLM's ``XgrammarBackend``) as vLLM's scheduler compiles it
+    (``StructuredOutputManager._create_grammar``): 0.32.0 passes the request's
+    stop tokens, which end the grammar's accepted strings; 0.27.1 has no such
+    argument."""
+    import inspect
+
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    request_type, spec = get_structured_output_key(params.structured_outputs)
+    if "stop_token_ids" in inspect.signature(backend.compile_grammar).parameters:
+        return backend.compile_grammar(request_type, spec,
+                                       stop_token_ids=params.all_stop_token_ids)
+    return backend.compile_grammar(request_type, spec)
