@@ -2,6 +2,7 @@
 per-turn speedups, acceptance, per-depth rates and the stage breakdown."""
 
 import json
+import os
 
 import pytest
 
@@ -172,3 +173,20 @@ def test_every_server_starts_a_round_in_turn():
     assert all(sorted(o) == sorted(labels) for o in orders)
     assert [o[0] for o in orders[:3]] == labels  # each first once in three rounds
     assert orders[3] == orders[0] and orders[1] == ["eagle3:k=3", "eagle3_tree", "none"]
+
+
+def test_a_method_can_be_served_from_another_checkout(tmp_path):
+    from vllm_treespec.bench import split_methods
+    from vllm_treespec.bench.served_ab import server_env, split_code_dir
+
+    (tmp_path / "vllm_treespec").mkdir()
+    (tmp_path / "vllm_treespec" / "__init__.py").write_text("")
+    methods = split_methods(f"none,eagle3_tree:depth=4,top_k=2@{tmp_path},eagle3_tree")
+    assert methods == ["none", f"eagle3_tree:depth=4,top_k=2@{tmp_path}", "eagle3_tree"]
+    assert split_code_dir(methods[1]) == ("eagle3_tree:depth=4,top_k=2", str(tmp_path))
+    assert split_code_dir("eagle3_tree") == ("eagle3_tree", None)
+    env = server_env({"A": "1"}, str(tmp_path))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path) and env["A"] == "1"
+    assert server_env({"A": "1"}, None) == {"A": "1"}
+    with pytest.raises(SystemExit, match="no checkout"):
+        split_code_dir(f"eagle3_tree@{tmp_path / 'missing'}")

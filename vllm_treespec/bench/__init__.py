@@ -65,12 +65,13 @@ METHODS = ("none", "eagle3", "eagle3_tree", "ngram", "suffix")
 
 def split_methods(text: str) -> list[str]:
     """'none,eagle3:k=4,eagle3_tree:num_nodes=16,depth=4' -> three methods: a comma
-    starts a new method only when a method name follows."""
+    starts a new method only when a method name follows (``served_ab``'s
+    ``METHOD@DIR`` too)."""
     out: list[str] = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
-        if out and part.split(":")[0] not in METHODS:
+        if out and part.split(":")[0].split("@")[0] not in METHODS:
             out[-1] += "," + part
         else:
             out.append(part)

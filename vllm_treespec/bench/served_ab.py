@@ -24,7 +24,13 @@ cached prefix of another's.
         eagle3_tree:copy_branches=2 --out DIR
 
 Methods take ``vllm-treespec bench``'s syntax (``eagle3_tree:num_nodes=4,depth=1``,
-``ngram:k=4`` for vLLM's prompt lookup).
+``ngram:k=4`` for vLLM's prompt lookup). ``METHOD@DIR`` serves METHOD with the code of
+another checkout DIR (``git worktree add DIR COMMIT``), e.g. ``--methods
+none,eagle3_tree@/work/old,eagle3_tree`` for two commits side by side: that server
+starts in DIR with DIR first on ``PYTHONPATH``, so it imports DIR's ``vllm_treespec``
+(``python -m`` puts the working directory first on ``sys.path``); DIR/vllm_treespec's
+``__pycache__`` then shows what the server loaded, and the JSON records each server's
+``code_dir``.
 Each server gets a 1 GiB KV cache by default (``VLLM_CPU_KVCACHE_SPACE``) and
 holds ~4 GB as started (the worker ~2.8), so that four of them fit in 24 GB; a set
 that would not fit is refused once the first server is up. Writes
@@ -87,6 +93,27 @@ def rotated(labels: list[str], i: int) -> list[str]:
     may still be winding down), and that must fall on every method alike."""
     k = i % len(labels)
     return labels[k:] + labels[:k]
+
+
+def split_code_dir(method: str) -> tuple[str, str | None]:
+    """'eagle3_tree:depth=4@/work/old' -> ('eagle3_tree:depth=4', '/work/old'): the
+    method and the checkout whose code serves it (None: this one's)."""
+    spec, at, where = method.partition("@")
+    if not at:
+        return method, None
+    code = Path(where).expanduser().resolve()
+    if not (code / "vllm_treespec" / "__init__.py").is_file():
+        raise SystemExit(f"--methods {method}: {code} is no checkout of vllm-treespec "
+                         f"(no vllm_treespec/__init__.py)")
+    return spec, str(code)
+
+
+def server_env(env: dict, code_dir: str | None) -> dict:
+    """A server's environment: ``env``, with ``code_dir`` first on PYTHONPATH."""
+    if code_dir is None:
+        return env
+    path = os.environ.get("PYTHONPATH")
+    return {**env, "PYTHONPATH": code_dir + (os.pathsep + path if path else "")}
 
 
 def check_memory(first, count: int) -> None:
@@ -166,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.drafter = map(str, ensure_tp_pair(multiple=args.tp))
         args.serve_args += f" --tensor-parallel-size {args.tp}"
         bind = "|".join(str(i % (os.cpu_count() or 1)) for i in range(args.tp))
-    methods = [parse_method(m, args) for m in split_methods(args.methods)]
+    code_dirs = {m: split_code_dir(m) for m in split_methods(args.methods)}
+    methods = [(m, parse_method(spec, args)[1]) for m, (spec, _) in code_dirs.items()]
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind)}
     turns = suite_turns(args.suite, args.turns)
@@ -176,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for label, spec in methods:
             log(f"{label}: starting server")
+            code = code_dirs[label][1]
             servers[label] = Server(args.model, shlex.split(args.serve_args), spec,
-                                    out / f"server-{slug(label)}.log", env=env)
+                                    out / f"server-{slug(label)}.log",
+                                    env=server_env(env, code), cwd=code)
             if len(servers) == 1:
                 check_memory(servers[label], len(methods))
         kinds = json.loads(args.request_kinds) if args.request_kinds else None
@@ -243,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [a / b for a, b in zip(round_rates(label), round_rates(first)) if b > 0]
         counts0, counts1 = spec_counters(before[label]), spec_counters(after[label])
         summary["methods"][label] = {
-            "speculative_config": spec, "output_tokens": tokens, "seconds": seconds,
+            "speculative_config": spec, "code_dir": code_dirs[label][1],
+            "output_tokens": tokens, "seconds": seconds,
             "tok_s": tokens / seconds,
             "ratio": rate(label) / rate(first),
             "turn_ratio_mean": mean(ratios),

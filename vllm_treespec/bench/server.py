@@ -36,11 +36,12 @@ def metric_sum(metrics: dict[str, float], name: str) -> float:
 
 
 class Server:
-    """`vllm-treespec serve MODEL ...` in a subprocess; stopped by ``close``."""
+    """`vllm-treespec serve MODEL ...` in a subprocess; stopped by ``close``. ``cwd``:
+    its working directory, first on its ``sys.path`` (``python -m``)."""
 
     def __init__(self, model: str, serve_args: list[str], speculative_config: dict | None,
                  log_path: Path, served_name: str = "bench", env: dict | None = None,
-                 startup_timeout_s: float = 900):
+                 startup_timeout_s: float = 900, cwd: str | None = None):
         self.port = free_port()
         self.served_name = served_name
         args = [sys.executable, "-m", "vllm_treespec", "serve", model,
@@ -54,7 +55,7 @@ class Server:
         full_env.update(env or {})
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=full_env)
+                                     env=full_env, cwd=cwd)
         self.base_url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + startup_timeout_s
         while time.time() < deadline:
