@@ -2,8 +2,8 @@
 
 One batch mixes what applications send: two JSON-schema requests, a regex and a
 choice request, and an unconstrained one. The tree engine walks each grammar down
-each tree in the scheduler (``vllm_glue.grammar_trees``): drafts the grammar
-rejects are cut, the tokens it forces are grafted as branches, and every node's
+each tree in the scheduler (``vllm_glue.grammar_trees``), after the drafter
+drafted under it (``vllm_glue.draft_grammars``): drafts the grammar rejects are cut, the tokens it forces are grafted as branches, and every node's
 logits row is masked with its own grammar state. The drafter is the random test
 drafter, so what the trees accept beyond chance comes from forced tokens and copy
 branches. The T > 0 test with a grammar, and its negative control (masks shifted
@@ -63,5 +63,7 @@ def test_structured_requests_get_trees_and_plain_answers(target_dir, tokenizer,
     # Trees were verified beside the grammar, and it forced tokens that were accepted.
     assert metrics["trees"] > 0 and metrics["mean_tree_size"] > 1, metrics
     assert metrics["grammar_accepted"] > 0, metrics
+    # The structured requests were drafted under their grammars (draft_grammars).
+    assert metrics["grammar_drafted"] > 0, metrics
     choice = tokenizer.decode(tree["outputs"][3][0], skip_special_tokens=True)
     assert choice in CONSTRAINTS[3]["structured_outputs"]["choice"], choice

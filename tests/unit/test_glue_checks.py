@@ -13,6 +13,7 @@ import torch
 from vllm_treespec.config import TreeSpecConfigError
 from vllm_treespec.vllm_glue import runner_class_swapped
 from vllm_treespec.vllm_glue.verify_inputs import make_verify_step
+from vllm_treespec.tree.proposed import ProposedTrees
 
 
 class _StockRunner:
@@ -111,7 +112,7 @@ def _runner(rows: list[tuple[str, list[int], int, int]], proposed: dict, validat
 
     runner = Runner()
     drafter = TreeEagleProposer.__new__(TreeEagleProposer)
-    drafter.proposed, drafter.last_depth = dict(proposed), 2
+    drafter.proposed, drafter.last_depth = ProposedTrees(proposed), 2
     lengths = [len(chunk) for _, chunk, _, _ in rows]
     runner.drafter, runner.device = drafter, torch.device("cpu")
     runner.input_batch = types.SimpleNamespace(

@@ -5,7 +5,8 @@ After the first pass the tree builder holds each request's root children;
 the builder is done (or the adaptive budget stops it). Level d forwards the F
 frontier nodes of every request together (positions ``P' + d - 1``), attending
 to the committed prefix plus their ancestors among the earlier levels' nodes,
-kept in a per-layer side buffer. A one-wide level (a chain's tip) may run as a
+kept in a per-layer side buffer; a structured request's scores are masked by
+its grammar after each node (``LevelStep.draft_masks``). A one-wide level (a chain's tip) may run as a
 chain step over the paged cache instead, where the runner offers one
 (``LevelForwards.chain_level``), so that a chain costs a stock chain's drafting.
 
@@ -38,6 +39,9 @@ class LevelStep:
     side_capacity: int    # side-buffer columns the step may use
     budget: object | None = None  # the adaptive budget, where it may stop early
     scratch: dict = field(default_factory=dict)  # per-step backend state of the levels
+    # Grammar masks of structured requests' nodes (``engine.draft_masks``), where
+    # some request of the step drafts under its grammar.
+    draft_masks: Any = None
 
     @property
     def one_wide(self) -> bool:
@@ -119,6 +123,8 @@ def grow_levels(builder, level, parent_hidden: torch.Tensor, step: LevelStep,
                 forwards, step, level, F, parent_hidden, parent_mask, side_offset)
             side_offset += F
         logprobs = forwards.draft_vocab_logprobs(last_hidden).view(B, F, -1)
+        if step.draft_masks is not None:
+            logprobs = step.draft_masks.level(builder, level.node_id[:, :F], logprobs)
         parent_hidden = hidden.view(B, F, -1)
         level = builder.next_level(logprobs)
     run.seconds = time.perf_counter() - t0

@@ -56,3 +56,32 @@ def kept_by_grammar(proposed: ProposedTree | None, tokens: list[int], parents: l
     branches = [(m, [new[i] for i in nodes if i in new], src)
                 for m, nodes, src in proposed.branches]
     return ProposedTree(tokens, parents, probs, sources, branches, forced)
+
+
+class ProposedTrees(dict):
+    """req_id -> the ``ProposedTree`` a drafter proposed, kept until verified."""
+
+    def tree_for(self, req_id: str, scheduled: list[int], shape=None) -> ProposedTree:
+        """The tree of the scheduled drafts (a node's draft probability: the
+        product of its path's; their sum is the drafts the proposer expects to be
+        accepted).
+
+        The scheduler may have truncated the drafts (token budget, max length): BFS
+        order keeps any prefix a valid tree. ``shape``: the tree its grammar walk
+        kept (``vllm_glue.grammar_trees.GrammarTree``; every rank gets the same).
+        Drafts that do not match what was proposed (e.g. placeholders after a
+        fallback) are verified as a chain, which is always correct.
+        """
+        if shape is not None:
+            n = len(scheduled)
+            return kept_by_grammar(self.get(req_id), list(scheduled), shape.parents[:n],
+                                   shape.probs[:n], shape.origin[:n])
+        if self.proposed_here(req_id, scheduled):
+            return self[req_id].prefix(len(scheduled))
+        return ProposedTree.chain(scheduled)
+
+    def proposed_here(self, req_id: str, scheduled: list[int]) -> bool:
+        """Whether the scheduled drafts are (a prefix of) what was proposed."""
+        tree = self.get(req_id)
+        n = len(scheduled)
+        return tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled)

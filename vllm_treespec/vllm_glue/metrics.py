@@ -45,6 +45,9 @@ class Totals:
     both_accepted: int = 0
     # Accepted tokens a structured request's grammar forced (grafted, not drafted).
     grammar_accepted: int = 0
+    # Draft nodes whose children were drafted under their request's grammar
+    # (``draft_grammars``).
+    grammar_drafted: int = 0
     # The cross-request store (cross_request_tokens): lookups, those that found
     # a continuation, and the tokens it holds (a level, not a count).
     cross_request_lookups: int = 0
@@ -80,6 +83,7 @@ def summarize(t: dict[str, Any]) -> dict[str, Any]:
         "other_accepted": t.get("other_accepted", 0),
         "both_accepted": t.get("both_accepted", 0),
         "grammar_accepted": t.get("grammar_accepted", 0),
+        "grammar_drafted": t.get("grammar_drafted", 0),
         "cross_request_lookups": t.get("cross_request_lookups", 0),
         "cross_request_hit_rate": t.get("cross_request_hits", 0)
         / max(t.get("cross_request_lookups", 0), 1),
@@ -112,7 +116,9 @@ def format_summary(s: dict[str, Any]) -> str:
                                   s["both_accepted"])
               if s.get("copy_accepted") or s.get("other_accepted") or s.get("both_accepted")
               else "") + ("; forced by grammars %d" % s["grammar_accepted"]
-                          if s.get("grammar_accepted") else "") + ("; cross-request lookups %d, hit rate %.2f" % (
+                          if s.get("grammar_accepted") else "") + (
+        "; nodes drafted under grammars %d" % s["grammar_drafted"]
+        if s.get("grammar_drafted") else "") + ("; cross-request lookups %d, hit rate %.2f" % (
                   s["cross_request_lookups"], s["cross_request_hit_rate"])
                   if s.get("cross_request_lookups") else "")
     return ("eagle3_tree: mean acceptance length %.2f, tree size %.1f, per-depth acceptance "
@@ -281,6 +287,11 @@ class TreeMetrics:
                 for tree, path in zip(trees, paths) if tree.forced)
         for t in self._both():
             t.grammar_accepted += n
+
+    def on_grammar_drafts(self, nodes: int) -> None:
+        """Nodes whose children a drafting step drafted under their grammar."""
+        for t in self._both():
+            t.grammar_drafted += nodes
 
     def on_cross_request(self, store) -> None:
         """The cross-request store's lookups and hits since the last call (its

@@ -32,12 +32,13 @@ from vllm_treespec.config import TreeSpecConfig
 from vllm_treespec.observability import trace_dir_from
 from vllm_treespec.tree_fallback import validated
 from vllm_treespec.tree import DynamicTreeBuilder, StaticTopology, StaticTreeBuilder, TreeBatch
-from vllm_treespec.tree.proposed import ProposedTree, kept_by_grammar
+from vllm_treespec.tree.proposed import ProposedTree, ProposedTrees
 from vllm_treespec.vllm_glue import rank_agreement, support
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes
 from vllm_treespec.vllm_glue.copy_source import MAX_NGRAM, MIN_NGRAM, CopySource
 from vllm_treespec.vllm_glue.deferred_drafts import DeferredDrafts, raw_first_pass_inputs
 from vllm_treespec.vllm_glue.draft_faults import DraftFaults, device_failure
+from vllm_treespec.vllm_glue.draft_grammars import DraftGrammars
 from vllm_treespec.vllm_glue.hand_over import DraftHandOver
 from vllm_treespec.engine.levels import LevelsRun, LevelStep, StepTimes, hand_to_budget
 from vllm_treespec.vllm_glue.draft_levels import SequentialLevels
@@ -55,7 +56,7 @@ class TreeEagleProposer(EagleProposer):
         assert cfg is not None
         self.tree_cfg: TreeSpecConfig = cfg
         self.topology = StaticTopology.from_choices(cfg.choices) if cfg.is_static else None
-        self.proposed: dict[str, ProposedTree] = {}
+        self.proposed = ProposedTrees()
         self.last_draft_seconds = 0.0
         # Set by the runner when the adaptive budget is on (vllm_treespec.policy).
         self.adaptive_budget = None
@@ -80,6 +81,10 @@ class TreeEagleProposer(EagleProposer):
                                   cfg.cross_request_prompts)
                        if cfg.copy_branches else None)
         self.hand_over = DraftHandOver(self)
+        # Structured requests drafted under their grammar, where the scheduler
+        # walks grammars down trees (``draft_grammars``).
+        self.grammars = (DraftGrammars(vllm_config)
+                         if getattr(runner, "grammar_trees", False) else None)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -202,17 +207,22 @@ class TreeEagleProposer(EagleProposer):
         # --- the levels below the tree rows' roots' children (draft_levels) ---
         step = self._level_step(cad, batch_size, depth, num_rejected_tokens_gpu, rows)
         builder = self._builder(step.batch_size, depth)
-        level = builder.first_level(self.draft_vocab_logprobs(last_hidden))  # the tree rows'
+        root_logprobs = self.draft_vocab_logprobs(last_hidden)  # the tree rows'
+        if step.dynamic and self.grammars is not None:  # structured rows: under their grammars
+            root_logprobs = self.grammars.masked_step(step, root_logprobs, self.runner, rows,
+                                                      roots, self._token_map())
+        level = builder.first_level(root_logprobs)
         run = self.levels.grow(builder, level, hidden.unsqueeze(1), step)
+        if step.draft_masks is not None:
+            self.runner.tree_metrics.on_grammar_drafts(step.draft_masks.masked_nodes)
         return self._selected_drafts(builder, step, run, roots.long(), times,
                                      first_tokens=num_tokens, caught_up=caught_up, rows=rows)
 
     def _tree_rows(self, batch_size: int) -> list[int]:
         """The batch rows whose requests may get a tree this step (``tree_safe``).
-        The others (structured output, bad words, ...) decode as plain rows: no
-        first pass, levels or catch-up, and without tree rows no plan (an off
-        step): drafting for them made a batch-1 JSON-schema request take 1.6x
-        plain decoding's time (issue 94)."""
+        The others (bad words, specific-token logprobs, ...) decode as plain
+        rows: no first pass, levels or catch-up, and without tree rows no plan
+        (an off step), so that they cost what plain decoding costs."""
         allowed = self.runner.tree_allowed_mask(batch_size)
         return [b for b, ok in enumerate(allowed) if ok]
 
@@ -385,33 +395,18 @@ class TreeEagleProposer(EagleProposer):
 
     # ------------------------------------------------------------------ verify
     def tree_for(self, req_id: str, scheduled: list[int], shape=None) -> ProposedTree:
-        """The tree of the scheduled drafts (a node's draft probability: the
-        product of its path's; their sum is the drafts the proposer expects to be
-        accepted).
-
-        The scheduler may have truncated the drafts (token budget, max length): BFS
-        order keeps any prefix a valid tree. ``shape``: the tree its grammar walk
-        kept (``grammar_trees.GrammarTree``; every rank gets the same). Drafts
-        that do not match what was proposed (e.g. placeholders after a fallback)
-        are verified as a chain, which is always correct.
-        """
-        if shape is not None:
-            n = len(scheduled)
-            return kept_by_grammar(self.proposed.get(req_id), list(scheduled),
-                                   shape.parents[:n], shape.probs[:n], shape.origin[:n])
-        if self.proposed_here(req_id, scheduled):
-            return self.proposed[req_id].prefix(len(scheduled))
-        return ProposedTree.chain(scheduled)
+        """The tree of the scheduled drafts (``ProposedTrees.tree_for``)."""
+        return self.proposed.tree_for(req_id, scheduled, shape)
 
     def proposed_here(self, req_id: str, scheduled: list[int]) -> bool:
         """Whether the scheduled drafts are (a prefix of) what this process proposed."""
-        tree = self.proposed.get(req_id)
-        n = len(scheduled)
-        return tree is not None and len(tree.tokens) >= n and tree.tokens[:n] == list(scheduled)
+        return self.proposed.proposed_here(req_id, scheduled)
 
     def forget(self, req_ids) -> None:
         """Finished requests: drop their trees and deferred drafter inputs."""
         for r in req_ids:
             self.proposed.pop(r, None)
         self.deferred.forget(req_ids)
+        if self.grammars is not None:
+            self.grammars.forget(req_ids)
 

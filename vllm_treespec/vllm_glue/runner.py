@@ -165,6 +165,7 @@ class TreeRunnerMixin(StepCostCalibration):
             if copies is not None and copies.shared is not None:
                 self._file_finished(copies, scheduler_output)
             self.drafter.forget(scheduler_output.finished_req_ids)
+            self._compile_grammars(scheduler_output)
         out = super()._update_states(scheduler_output)
         if scheduler_output.finished_req_ids and not self.requests:
             # The last requests just finished: the engine goes idle (see host_heap).
@@ -174,6 +175,16 @@ class TreeRunnerMixin(StepCostCalibration):
                             "to the OS in %.1f ms", trim.returned / 2**20,
                             trim.resident_before / 2**20, trim.seconds * 1e3)
         return out
+
+    def _compile_grammars(self, scheduler_output) -> None:
+        """New structured requests that may get trees: their grammars compiled
+        for the drafter from now (``draft_grammars``)."""
+        grammars = self.drafter.grammars
+        for new in scheduler_output.scheduled_new_reqs if grammars is not None else ():
+            params = new.sampling_params
+            if (getattr(params, "structured_outputs", None) is not None
+                    and tree_safe(params, sys.maxsize, self.grammar_trees)):
+                grammars.arrived(new.req_id, params)
 
     def _file_finished(self, copies, scheduler_output) -> None:
         """Cross-request copies: finished requests' text filed before vLLM drops
@@ -254,6 +265,9 @@ class TreeRunnerMixin(StepCostCalibration):
         copies = getattr(getattr(self, "drafter", None), "copies", None)
         if copies is not None:  # each request's history, as of now
             copies.sampled(out.sampled_token_ids, self.input_batch.num_tokens_no_spec)
+        grammars = getattr(getattr(self, "drafter", None), "grammars", None)
+        if grammars is not None and grammars.active:  # so do the drafter's grammars
+            grammars.sampled(out.sampled_token_ids, self.input_batch.num_tokens_no_spec)
         return out
 
     def _bookkeeping_sync(self, *args, **kwargs):
