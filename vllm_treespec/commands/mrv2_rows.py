@@ -47,6 +47,8 @@ W = "v1/worker/gpu/"
 SD = W + "spec_decode/"
 TDAR = SD + "target_dependent_ar/speculator.py"
 MR = W + "model_runner.py"
+SC = SD + "speculator_config.py"
+EC = SD + "eagle/config.py"
 
 PROPOSE = ("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states",
            "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled",
@@ -67,20 +69,26 @@ EXECUTE = ("scheduler_output", "intermediate_tensors", "dummy_run", "skip_attn_f
            "is_profile", "context_len", "valid_dummy_state_slots", "randomize_inputs")
 SCHEDULER = ("vllm_config", "kv_cache_config", "structured_output_manager", "block_size",
              "hash_block_size", "mm_registry", "include_finished_set", "log_stats")
+EAGLE_FIELDS = ("base_method", "speculator_class", "supported_options", "supports_watermarking")
+POST_INIT = ("get_custom_speculator_config_class", "custom_method", "base_method",
+             "_METHOD_SPECIFIC_OPTIONS", "supported_options", "apply_options")
+SAMPLE_DRAFT = ("hidden_states", "sample_src_positions", "idx_mapping", "temperature", "seeds",
+                "draft_step", "draft_logits", "spec_step_idx")
+PREFILL_READS = ("sample_draft", "last_token_indices", "hidden_states", "input_buffers")
 OVERRIDE_SPEC = ("model", "tokenizer", "trust_remote_code", "revision",
                  "vllm_speculative_config", "hf_token", "**kwargs")
 
 ROWS: tuple[Row, ...] = (
     # Registration and configuration (section 2).
-    _row("params", SD + "speculator_config.py", "register_speculative_method", None,
+    _row("params", SC, "register_speculative_method", None,
          ("name", "config_cls"), "the method's name"),
-    _row("fields", SD + "speculator_config.py", "SpeculatorConfig", None,
+    _row("fields", SC, "SpeculatorConfig", None,
          ("base_method", "speculator_class", "supported_options"), "config class",
          probe=("base_method", "speculator_class", "supported_options")),
-    _row("methods", SD + "speculator_config.py", "SpeculatorConfig", None,
+    _row("methods", SC, "SpeculatorConfig", None,
          ("apply_options", "num_lookahead_tokens", "hash_factors"), "tree options",
          probe=("apply_options", "num_lookahead_tokens", "hash_factors")),
-    _row("bases", SD + "eagle/config.py", "Eagle3SpeculatorConfig", None,
+    _row("bases", EC, "Eagle3SpeculatorConfig", None,
          ("EagleSpeculatorConfig",), "our config's base"),
     _row("fields", "config/speculative.py", "SpeculativeConfig", ("method",),
          ("method", "custom_method", "speculator_options"), "tree options",
@@ -92,6 +100,41 @@ ROWS: tuple[Row, ...] = (
     _row("mentions", SD + "__init__.py", "init_speculator", ("use_eagle",),
          ("speculator_class", "resolve_obj_by_qualname"), "builds the speculator",
          probe=("use_eagle", "speculator_class", "resolve_obj_by_qualname")),
+    # What eagle3_tree's registration uses (docs/mrv2.md, "On vLLM 0.34"):
+    # mrv2/registration.py, mrv2/method_config.py, speculator.RegisteredTreeSpeculator.
+    _row("params", SC, "get_custom_speculator_config_class", None, ("method",),
+         "registered config by name"),
+    _row("mentions", SC, "get_custom_speculator_config_class", None,
+         ("resolve_obj_by_qualname", "issubclass", "speculator_class"),
+         "registered config by name",
+         probe=("resolve_obj_by_qualname", "issubclass", "speculator_class")),
+    _row("fields", SC, "SpeculatorConfig", None, ("supports_watermarking",),
+         "no watermarking", probe=("supports_watermarking",)),
+    _row("fields", EC, "EagleSpeculatorConfig", None, EAGLE_FIELDS, "what our config sets",
+         probe=EAGLE_FIELDS),
+    _row("params", EC, "EagleSpeculatorConfig.apply_options", None, ("spec",),
+         "tree options (ours calls it)"),
+    _row("methods", EC, "EagleSpeculatorConfig", None,
+         ("apply_options", "num_lookahead_tokens", "adapt_draft_model_config"),
+         "EAGLE setup, inherited",
+         probe=("apply_options", "num_lookahead_tokens", "adapt_draft_model_config")),
+    _row("fields", EC, "Eagle3SpeculatorConfig", None, ("base_method",), "method = eagle3",
+         probe=("base_method",)),
+    _row("methods", EC, "Eagle3SpeculatorConfig", None, ("uses_aux_hidden_states",),
+         "aux hidden states, inherited", probe=("uses_aux_hidden_states",)),
+    _row("mentions", "config/speculative.py", "SpeculativeConfig.__post_init__", (),
+         POST_INIT, "custom method, options gate", probe=POST_INIT),
+    _row("mentions", SD + "__init__.py", "init_speculator", ("req_states",),
+         ("signature", "req_states"), "our constructor's arguments",
+         probe=("signature", "req_states")),
+    _row("params", SD + "speculator.py", "DraftModelSpeculator.__init__",
+         ("vllm_config", "device"), use="our constructor's arguments"),
+    _row("params", SD + "speculator.py", "DraftModelSpeculator.sample_draft", SAMPLE_DRAFT,
+         SAMPLE_DRAFT + ("num_steps",), "the roots' log-probabilities"),
+    _row("mentions", TDAR, "TargetDependentARSpeculator._prefill", PREFILL_READS,
+         use="the roots, left in its buffers", probe=PREFILL_READS),
+    _row("mentions", MR, "GPUModelRunner.__init__", ("init_speculator",),
+         use="built before our runner adopts it", probe=("init_speculator",)),
     # The speculator (sections 1 and 3).
     _row("params", SD + "speculator.py", "BaseSpeculator.propose", PROPOSE, use="drafting"),
     _row("params", SD + "speculator.py", "BaseSpeculator.add_request", None, ("req_index",),

@@ -66,11 +66,11 @@ def masked_logprobs(logprobs: torch.Tensor, masks: torch.Tensor, vocab_size: int
     renormalised; ``token_map`` [V']: each draft token's target id (None: the
     same ids). A row that allows no draft token is all -inf (its children rank
     last; the scheduler's walk cuts them)."""
-    forbidden = disallowed(masks.to(logprobs.device), vocab_size)
-    if token_map is not None:
-        forbidden = forbidden[:, token_map]
-    else:
-        forbidden = forbidden[:, :logprobs.shape[-1]]
+    # Draft ids past the target's vocabulary (a padded head) are forbidden too.
+    forbidden = disallowed(masks.to(logprobs.device),
+                           max(vocab_size, logprobs.shape[-1]))
+    forbidden = forbidden[:, token_map] if token_map is not None \
+        else forbidden[:, :logprobs.shape[-1]]
     out = logprobs.float().masked_fill(forbidden, float("-inf"))
     norm = torch.logsumexp(out, dim=-1, keepdim=True)
     return torch.where(torch.isfinite(norm), out - norm, out)

@@ -4,9 +4,10 @@
 wraps the speculative-config translation, vLLM's override for a served
 speculators-format head (``speculators``), the scheduler's constructor (draft
 padding and lookahead for tree engines, ``scheduling``) and the frontend's request
-validation (the parameters tree engines refuse, ``request_checks``); everything else is
-selected through the engine configuration (the worker class) when the method is
-``eagle3_tree``, so stock methods run untouched.
+validation (the parameters tree engines refuse, ``request_checks``), and registers
+the method's name where vLLM has a seam for it (0.34+, ``mrv2.registration``);
+everything else is selected through the engine configuration (the worker class)
+when the method is ``eagle3_tree``, so stock methods run untouched.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from types import ModuleType
 def install() -> None:
     # The vLLM version is checked when an eagle3_tree engine is configured
     # (``support.check_vllm_version``): stock methods stay usable on any version.
+    from vllm_treespec.vllm_glue.mrv2.registration import register_tree_method
     from vllm_treespec.vllm_glue.request_checks import patch_request_validation
     from vllm_treespec.vllm_glue.scheduling import patch_scheduler
     from vllm_treespec.vllm_glue.spec_config import patch_engine_args, patch_model_runner_choice
@@ -29,6 +31,7 @@ def install() -> None:
     patch_scheduler()
     patch_speculators_override()  # after patch_engine_args: wraps its create_engine_config
     patch_request_validation()
+    register_tree_method()  # vLLM 0.34+'s seam for the method's name; absent before
 
 
 def forget_resolved_backends() -> None:

@@ -8,7 +8,9 @@ vLLM (``EngineArgs.create_speculative_config``):
 * the tree keys are validated (``TreeSpecConfig``) and moved to
   ``additional_config["eagle3_tree"]``, which reaches every process and is part
   of the config hash;
-* the rest runs through the stock ``eagle3`` path with
+* the rest runs through the stock ``eagle3`` path (where vLLM registered the
+  method, 0.34+: named ``eagle3_tree``, tree keys as ``speculator_options``,
+  ``mrv2.registration``; vLLM then sets ``method`` to ``eagle3`` itself) with
   ``num_speculative_tokens`` = the node budget, so vLLM allocates KV slots and
   schedules up to ``num_nodes`` draft tokens per request;
 * scheduling is made synchronous: acceptance, KV commit and drafting read the
@@ -29,6 +31,7 @@ from typing import Any
 
 from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
 from vllm_treespec.vllm_glue import support, versions
+from vllm_treespec.vllm_glue.mrv2 import registration
 
 METHOD = "eagle3_tree"
 ADDITIONAL_CONFIG_KEY = "eagle3_tree"
@@ -242,6 +245,8 @@ def patch_engine_args() -> None:
             extra[ADDITIONAL_CONFIG_KEY] = tree.to_dict()
             extra[FRONTEND_STATS_KEY] = _frontend_loads_stat_logger(self)
             self.additional_config = extra
+            if registration.registered():  # vLLM 0.34+: the method by its own name
+                stock = registration.as_registered_method(stock, extra[ADDITIONAL_CONFIG_KEY])
             self.speculative_config = stock
             logger.info("%s: %s", METHOD, tree)
         return original(self, *args, **kwargs)

@@ -2,7 +2,8 @@
 the tree speculator, the model-state wrapper and the tree rejection sampler.
 
 Overridden (docs/architecture.md): ``__init__`` (0.32.0's ``init_speculator`` has no
-seam for a method's class, so the speculator is replaced after it), ``load_model``
+seam for a method's class, so the speculator is replaced after it; 0.34+ builds
+ours from the registered config, and the runner adopts its step state), ``load_model``
 (the model state and the rejection sampler are the model's, built there), and
 ``initialize_kv_cache`` (the block size the tree rows and the commit use)."""
 
@@ -28,10 +29,16 @@ class _TreeMRV2Runner:
         super().__init__(vllm_config, device)
         self.tree_cfg = tree_config_from_vllm(vllm_config)
         check_mrv2_tree(self.tree_cfg)
-        self.tree_steps = TreeSteps(self._move_kv)
-        if self.speculator is not None:  # the last pipeline stage's (no others: support)
-            self.speculator = TreeEagleSpeculator(vllm_config, self.device, self.tree_cfg,
-                                                  self.tree_steps)
+        if isinstance(self.speculator, TreeEagleSpeculator):
+            # 0.34+: vLLM built it from the registered method's config
+            # (registration); its step state becomes the runner's.
+            self.tree_steps = self.speculator.steps
+            self.tree_steps.move_kv = self._move_kv
+        else:
+            self.tree_steps = TreeSteps(self._move_kv)
+            if self.speculator is not None:  # the last pipeline stage's (no others: support)
+                self.speculator = TreeEagleSpeculator(vllm_config, self.device,
+                                                      self.tree_cfg, self.tree_steps)
         logger.info("eagle3_tree: Model Runner V2 (%s), fixed trees of %d nodes",
                     type(self).__mro__[2].__qualname__, self.tree_cfg.num_nodes)
 

@@ -17,10 +17,12 @@ from vllm.forward_context import set_forward_context
 from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 
 from vllm_treespec.attention import DraftTreeLevelMetadata
-from vllm_treespec.config import TreeSpecConfig
+from vllm_treespec.config import TreeSpecConfig, TreeSpecConfigError
 from vllm_treespec.engine.levels import LevelStep
+from vllm_treespec.vllm_glue.mrv2.checks import check_mrv2_tree
 from vllm_treespec.vllm_glue.mrv2.steps import TreeSteps
 from vllm_treespec.vllm_glue.mrv2.trees import grow_trees, level_step, tree_drafts
+from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 
 
 class TreeEagleSpeculator(EagleSpeculator):
@@ -47,7 +49,8 @@ class TreeEagleSpeculator(EagleSpeculator):
         return cached
 
     def sample_draft(self, hidden_states, sample_src_positions, idx_mapping, temperature,
-                     seeds, draft_step, draft_logits, spec_step_idx: int = 0):
+                     seeds, draft_step, draft_logits, spec_step_idx: int = 0,
+                     num_steps: int = 1):  # num_steps: 0.34's multi-step draws (unused)
         # The first pass's only draw: the roots' log-probabilities seed the trees.
         # Tree drafts are the drafter's best candidates at every temperature:
         # acceptance verifies each node as a proposal, losslessly.
@@ -100,6 +103,43 @@ class TreeEagleSpeculator(EagleSpeculator):
             self.steps.proposed[int(b)] = tree
         self.steps.counters["drafted_trees"] += B
         return drafts.to(self.draft_tokens.dtype)
+
+
+def _kv_move_unbound(src: torch.Tensor, dst: torch.Tensor) -> None:
+    raise TreeSpecConfigError("eagle3_tree: the tree speculator runs without the tree "
+                              "runner, which binds the KV move")
+
+
+class RegisteredTreeSpeculator(TreeEagleSpeculator):
+    """The class vLLM 0.34+ builds by name (``method_config``'s ``speculator_class``,
+    through ``init_speculator``), with the ``(vllm_config, device)`` every speculator
+    takes: the tree settings are read from the engine config here, and the step
+    state is created here; the tree runner adopts it (``runner._TreeMRV2Runner``) and
+    binds the KV move, which needs the runner's caches. On 0.32.0 the runner builds
+    ``TreeEagleSpeculator`` itself (``init_speculator`` has no seam there)."""
+
+    def __init__(self, vllm_config, device):
+        tree_cfg = tree_config_from_vllm(vllm_config)
+        check_mrv2_tree(tree_cfg)
+        super().__init__(vllm_config, device, tree_cfg, TreeSteps(_kv_move_unbound))
+
+    def load_model(self, target_model) -> None:
+        # The runner's __init__ (which built this speculator) ran before load_model.
+        if self.steps.move_kv is _kv_move_unbound:
+            raise TreeSpecConfigError(
+                "eagle3_tree: vLLM built the tree speculator under a runner other than "
+                "the tree runner (the worker did not build it); its trees would be "
+                "verified as chains, and their accepted paths never committed")
+        super().load_model(target_model)
+
+    def add_request(self, req_index: int) -> None:
+        """0.34's lifecycle hook: a new request in this request-state slot has no
+        proposed tree yet (a stale one would only be verified as a chain)."""
+        self.steps.proposed.pop(int(req_index), None)
+
+    def reset_state(self) -> None:
+        """0.34's hook after the warm-up requests: forget their trees."""
+        self.steps.proposed.clear()
 
 
 class TreeLevels:
