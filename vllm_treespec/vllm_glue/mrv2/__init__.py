@@ -21,4 +21,8 @@ no copy branches, sequential drafting: ``checks.check_mrv2_tree``). Per step:
   output.
 * ``requests``: the request parameters tree acceptance does not reproduce on MRV2,
   refused by name at the frontend (a 400), installed by ``checks.check_mrv2_tree``.
+* ``registration``, ``method_config``: where vLLM has ``register_speculative_method``
+  (0.34+), ``eagle3_tree`` is registered there with an EAGLE-3 config subclass naming
+  ``speculator.RegisteredTreeSpeculator``, which the runner adopts (docs/mrv2.md,
+  section 8; never run on 0.34).
 """
