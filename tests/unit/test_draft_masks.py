@@ -33,6 +33,14 @@ def test_masked_logprobs_renormalise_over_the_allowed_draft_tokens():
     assert torch.isneginf(out[1]).all()  # no NaN where nothing is allowed
 
 
+def test_both_unpackings_of_a_bitmask_agree():
+    from vllm_treespec.engine.grammar import _disallowed_by_shifts, disallowed
+
+    masks = torch.randint(-2**31, 2**31 - 1, (5, 7), dtype=torch.int32)
+    for vocab in (200, 224, 300):  # inside, at and past the bitmask's 32 W
+        assert torch.equal(disallowed(masks, vocab), _disallowed_by_shifts(masks, vocab))
+
+
 def test_fill_after_leaves_the_matcher_where_it_was(g):
     m = matcher_at_root(g)
     before = state(m, g.V)

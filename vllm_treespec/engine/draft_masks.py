@@ -67,13 +67,12 @@ def masked_logprobs(logprobs: torch.Tensor, masks: torch.Tensor, vocab_size: int
     same ids). A row that allows no draft token is all -inf (its children rank
     last; the scheduler's walk cuts them)."""
     # Draft ids past the target's vocabulary (a padded head) are forbidden too.
-    forbidden = disallowed(masks.to(logprobs.device),
-                           max(vocab_size, logprobs.shape[-1]))
+    forbidden = disallowed(masks, max(vocab_size, logprobs.shape[-1])).to(logprobs.device)
     forbidden = forbidden[:, token_map] if token_map is not None \
         else forbidden[:, :logprobs.shape[-1]]
     out = logprobs.float().masked_fill(forbidden, float("-inf"))
     norm = torch.logsumexp(out, dim=-1, keepdim=True)
-    return torch.where(torch.isfinite(norm), out - norm, out)
+    return out.sub_(norm.masked_fill_(~torch.isfinite(norm), 0.0))
 
 
 class DraftMasks:
@@ -98,6 +97,10 @@ class DraftMasks:
             for f, path in enumerate(row_paths):
                 fill_after(self.matchers[b], path, masks, i * F + f)
         self.masked_nodes += len(self.rows) * F
+        if len(self.rows) == logprobs.shape[0]:  # every row under a grammar
+            return masked_logprobs(logprobs.reshape(len(self.rows) * F, -1), masks,
+                                   self.vocab_size, self.token_map
+                                   ).view(logprobs.shape).to(logprobs.dtype)
         rows = torch.tensor(self.rows, device=logprobs.device)
         out = logprobs.clone()
         out[rows] = masked_logprobs(logprobs[rows].reshape(len(self.rows) * F, -1), masks,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Protocol
 
@@ -75,6 +76,20 @@ def disallowed(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[N, vocab_size] bool, True where a row's bitmask forbids the token: the
     convention of ``TreeSampling.allowed_mask``. Tokens past the bitmask's
     32 W are forbidden: no grammar emits them."""
+    if masks.device.type == "cpu" and sys.byteorder == "little":
+        # numpy unpacks a little-endian word's bytes in token order, some hundred
+        # times faster than the shifts below (a drafting step unpacks every node).
+        bits = np.unpackbits(masks.contiguous().numpy().view(np.uint8), axis=-1,
+                             bitorder="little")
+        out = torch.ones(masks.shape[0], vocab_size, dtype=torch.bool)
+        width = min(vocab_size, bits.shape[1])
+        out[:, :width] = torch.from_numpy(bits[:, :width] == 0)
+        return out
+    return _disallowed_by_shifts(masks, vocab_size)
+
+
+def _disallowed_by_shifts(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``disallowed`` on any device."""
     shifts = torch.arange(BITS, dtype=torch.int32, device=masks.device)
     # Arithmetic shift of an int32: bit 31 comes out as -1, and & 1 still reads it.
     bits = ((masks.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1)
