@@ -41,6 +41,9 @@ integration tests have passed on it, see the README's support matrix):
     (``VLLM_USE_V2_MODEL_RUNNER=1``, ``uses_model_runner_v2``), fixed trees run on
     it (``vllm_glue/mrv2``), whose rejection sampler takes ``invalid_drafts`` (a
     fourth argument newer releases drop: ``mrv2.sampler`` passes on what it gets);
+  - 0.34.0 (not supported; read from its sources only) has no V1 runner: every
+    engine is MRV2, whose CPU worker imports its runner at module level
+    (``uses_model_runner_v2``, ``mrv2_runner_site``);
   - whether a structured-output request's grammar constrains its next token
     (not yet, inside a reasoning parser's thinking part) is
     ``StructuredOutputManager._get_constraint_bounds``; 0.27.1 asks
@@ -220,8 +223,28 @@ def keep_v1_model_runner(reason: str, applies: Callable[[Any], bool]) -> None:
 def uses_model_runner_v2(vllm_config: Any) -> bool:
     """Whether the engine runs vLLM's Model Runner V2 (0.32.0: where asked for with
     ``VLLM_USE_V2_MODEL_RUNNER=1``, tree engines otherwise keep V1; 0.27.1 has no V2
-    runner and no such property)."""
-    return bool(getattr(vllm_config, "use_v2_model_runner", False))
+    runner and no such property; 0.34.0 has no V1 runner, and no such property)."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", False)) or not _has_v1_runner()
+
+
+def _has_v1_runner() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm.v1.worker.cpu_model_runner") is not None
+
+
+def mrv2_runner_site(vllm_config: Any) -> tuple[str, str] | None:
+    """(module, attribute) of the MRV2 runner class the CPU worker builds in
+    ``init_device``, or None where the engine runs V1. 0.32.0: vLLM's
+    ``vllm.v1.worker.cpu.model_runner.CPUModelRunner``, imported by name inside
+    ``CPUWorker.init_device``. 0.34.0 (read from its sources, never run here):
+    ``cpu_worker.py`` imports that class at module level, so the worker module's
+    own name is the one to swap."""
+    if not _has_v1_runner():
+        return "vllm.v1.worker.cpu_worker", "CPUModelRunner"
+    if uses_model_runner_v2(vllm_config):
+        return "vllm.v1.worker.cpu.model_runner", "CPUModelRunner"
+    return None
 
 
 def _model_runner_v2_asked() -> bool:

@@ -7,6 +7,8 @@ runner class name the stock worker instantiates for the duration of
 
 from __future__ import annotations
 
+import importlib
+
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_treespec.vllm_glue import cpu_attention, runner_class_swapped, versions
@@ -21,13 +23,12 @@ class TreeCPUWorker(CPUWorker):
         model_config, cache_config = self.vllm_config.model_config, self.vllm_config.cache_config
         cpu_attention.probe_kv_layout(model_config.dtype, cache_config.block_size,
                                       model_config.get_head_size())
-        if versions.uses_model_runner_v2(self.vllm_config):
-            # vLLM imports its MRV2 CPU runner by name inside init_device.
-            import vllm.v1.worker.cpu.model_runner as mrv2
-
+        site = versions.mrv2_runner_site(self.vllm_config)
+        if site is not None:  # the MRV2 runner class, where the worker takes it from
             from vllm_treespec.vllm_glue.mrv2.runner import tree_mrv2_runner_class
 
-            with runner_class_swapped(mrv2, "CPUModelRunner", tree_mrv2_runner_class, self):
+            with runner_class_swapped(importlib.import_module(site[0]), site[1],
+                                      tree_mrv2_runner_class, self):
                 super().init_device()
             return
         # Checks that the worker built the tree runner (not, e.g., vLLM's V2 runner).
