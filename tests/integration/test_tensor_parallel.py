@@ -3,8 +3,8 @@
 One core a rank (``VLLM_CPU_OMP_THREADS_BIND="0|1"``), the SmolLM2 pair padded to
 heads that 2 divides (``vllm-treespec assets --tp 2``: the same function). The
 tree servers, adaptive with sequential drafting and fixed with parallel drafting
-(the parallel-drafting head padded alike), answer chat and completion requests, sent
-concurrently, with the TP = 2 plain server's greedy text and real acceptance;
+(the parallel-drafting head padded alike), answer chat, JSON-schema and completion
+requests, sent concurrently, with the TP = 2 plain server's greedy text and real acceptance;
 every server stopped with SIGTERM (busy or idle) leaves no process behind. An
 engine whose rank 1 times everything three times slow (as on a busy core) still
 plans the same depths on both ranks, step by step (``rank_agreement``). At
@@ -58,6 +58,9 @@ MAX_TOKENS = 48
 # The fixed tree is grown by parallel drafting (the padded parallel-drafting head):
 # the adaptive server covers sequential drafting.
 FIXED = {"num_nodes": 12, "depth": 4, "top_k": 4, "adaptive": False, "draft": "parallel"}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                          "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
 # The CPU runner's linear-kernel choice, as each rank logs it.
 KERNEL_CHOICE = re.compile(r"\(Worker_TP(?P<rank>\d+) pid=\d+\).*eagle3_tree: "
                            r"(?P<choice>linear layers keep oneDNN's kernels|\d+ linear layers "
@@ -103,6 +106,13 @@ def answers(client) -> dict:
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         out = {"chat": list(pool.map(chat, QUESTIONS))}
+    # A structured request: trees under its grammar, drafted under it on both
+    # ranks (``draft_grammars``: masked on every rank or on none).
+    out["json"] = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=MAX_TOKENS, temperature=0.0,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "person", "schema": PERSON}}).choices[0].message.content
     out["completion"] = client.completions.create(
         model="smollm2", prompt="The three primary colours are", max_tokens=MAX_TOKENS,
         temperature=0.0).choices[0].text

@@ -59,17 +59,26 @@ class DraftGrammars:
     def active(self) -> bool:
         return bool(self.entries)
 
+    def load(self) -> None:
+        """vLLM's xgrammar backend for this engine's tokenizer (its vocabulary
+        decoded once), built while the engine starts: built on a request's
+        arrival, it would contend with that request's prefill."""
+        if self._backend is not None or self.vllm_config.model_config.skip_tokenizer_init:
+            return
+        from vllm.tokenizers import cached_tokenizer_from_config
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+
+        model_config = self.vllm_config.model_config
+        self._backend = XgrammarBackend(
+            self.vllm_config, tokenizer=cached_tokenizer_from_config(model_config),
+            vocab_size=model_config.get_vocab_size())
+
     def _compile(self, params: Any):
         from vllm_treespec.vllm_glue import versions
 
-        if self._backend is None:  # the tokenizer's vocabulary, decoded once
-            from vllm.tokenizers import cached_tokenizer_from_config
-            from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
-
-            model_config = self.vllm_config.model_config
-            self._backend = XgrammarBackend(
-                self.vllm_config, tokenizer=cached_tokenizer_from_config(model_config),
-                vocab_size=model_config.get_vocab_size())
+        self.load()
+        if self._backend is None:
+            raise RuntimeError("the engine has no tokenizer (skip_tokenizer_init)")
         return versions.compile_request_grammar(self._backend, params)
 
     def arrived(self, req_id: str, params: Any) -> None:

@@ -94,6 +94,8 @@ class TreeEagleProposer(EagleProposer):
                                     self.vllm_config.speculative_config.model)
         if self.tree_cfg.draft == "parallel":
             self.levels = ParallelLevels(self)  # reads the loaded head's slot state
+        if self.grammars is not None:
+            self.grammars.load()
 
     # ------------------------------------------------------------------ drafts
     def draft_vocab_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
