@@ -188,7 +188,7 @@ def test_the_loaded_vocabulary_map_of_a_hub_drafter_is_checked_too(monkeypatch):
 
     monkeypatch.setattr(EagleProposer, "load_model", lambda self, *a, **k: None)
     proposer = TreeEagleProposer.__new__(TreeEagleProposer)
-    proposer.tree_cfg = SimpleNamespace(draft="sequential")
+    proposer.tree_cfg, proposer.grammars = SimpleNamespace(draft="sequential"), None
     proposer.vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(get_vocab_size=lambda: 100),
         speculative_config=SimpleNamespace(model="someone/some-eagle3-head"))
