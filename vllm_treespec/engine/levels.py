@@ -6,9 +6,10 @@ the builder is done (or the adaptive budget stops it). Level d forwards the F
 frontier nodes of every request together (positions ``P' + d - 1``), attending
 to the committed prefix plus their ancestors among the earlier levels' nodes,
 kept in a per-layer side buffer; a structured request's scores are masked by
-its grammar after each node (``LevelStep.draft_masks``). A one-wide level (a chain's tip) may run as a
-chain step over the paged cache instead, where the runner offers one
-(``LevelForwards.chain_level``), so that a chain costs a stock chain's drafting.
+its grammar after each node (``LevelStep.draft_masks``). A one-wide level (a
+chain's tip) may run as a chain step over the paged cache instead, where the
+runner offers one (``LevelForwards.chain_level``), so that a chain costs a stock
+chain's drafting.
 
 The runner adapter supplies the forwards (``LevelForwards``); what the levels
 forwarded (``LevelsRun``) and the step's timings (``StepTimes``) go to the
