@@ -18,6 +18,7 @@ import torch
 from vllm_treespec.engine.grammar import full_masks
 from vllm_treespec.vllm_glue import versions
 from vllm_treespec.vllm_glue.draft_grammars import DraftGrammars
+from vllm_treespec.vllm_glue.sampled_tail import SampledTail
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -74,7 +75,8 @@ def test_the_matcher_follows_the_output_table_and_the_sampled_tail(grammars, g):
     # The step's tokens, sampled but not yet written into the table (the
     # drafter runs before vLLM's bookkeeping).
     table = batch(out[:3])
-    grammars.sampled(torch.tensor([[out[3], out[4], -1]]), table.num_tokens_no_spec)
+    grammars.sampled(SampledTail(torch.tensor([[out[3], out[4], -1]]),
+                                 table.num_tokens_no_spec))
     masks = grammars.step_masks(table, [0], [out[4]], g.V, None)
     assert torch.equal(root_mask(masks, g), fresh_mask(grammars, g, out[:5]))
     assert grammars.entries["r"].accepted == 5

@@ -3,12 +3,10 @@
 Every drafting step (not while the adaptive budget keeps speculation off:
 ``DraftHandOver.copies_wanted`` says why), each request's history -- its prompt
 and output so far, through this step's new root -- is searched for the
-continuations of its last tokens (``tree.copy_drafts``). vLLM's runner writes a
-step's sampled tokens into ``input_batch.token_ids_cpu`` after the drafter ran
-(when the drafter takes the padded batch; before it otherwise), so the history
-is the tokens it holds (``num_tokens_no_spec``) plus what this step emitted,
-unless they are there already (the count grew since sampling, ``sampled``); a
-request whose history does not end at its root gets no copies, and is counted.
+continuations of its last tokens (``tree.copy_drafts``). The history is the
+runner's token table plus the step's sampled tokens not yet written there
+(``sampled_tail``); a request whose history does not end at its root gets no
+copies, and is counted.
 
 With the adaptive budget, a branch keeps the nodes whose live estimate
 (``policy.copy_estimates``) reaches the threshold at which one more verified
@@ -44,6 +42,7 @@ from vllm_treespec.tree.accept import Outcome
 from vllm_treespec.tree.copy_drafts import (
     COPY, EAGLE, OTHER, CopyDraft, accepted_along, copy_continuations, graft, prune)
 from vllm_treespec.tree.shared_suffixes import SharedSuffixes, Tenant
+from vllm_treespec.vllm_glue.sampled_tail import SampledTail
 
 # Matches of the last MAX_NGRAM .. MIN_NGRAM tokens (longest first), searched in
 # the last HISTORY_WINDOW tokens of a request's own history: the search's cost
@@ -71,15 +70,12 @@ class CopySource:
         self.file_prompts = file_prompts
         self.tenants: dict[str, Tenant] = {}
         self.gates: dict[str, LookupGate] = {}
-        # This step's emitted tokens per batch row ([B, width], -1 padded) and
-        # each row's token count when they were sampled (``sampled``).
-        self._emitted: list[list[int]] = []
-        self._counted = np.zeros(0, dtype=np.int64)
+        # This step's sampled tokens, as the runner recorded them (``sampled``).
+        self._recent = SampledTail()
 
-    def sampled(self, sampled_token_ids, num_tokens: np.ndarray) -> None:
+    def sampled(self, recent: SampledTail) -> None:
         """The runner's sampler output of this step, before vLLM's bookkeeping."""
-        self._emitted = sampled_token_ids.tolist()
-        self._counted = np.array(num_tokens[:len(self._emitted)], dtype=np.int64)
+        self._recent = recent
 
     def admit(self, tenants: Mapping[str, Tenant]) -> None:
         """New requests' tenants (req_id -> tenant), as the scheduler named them
@@ -115,8 +111,7 @@ class CopySource:
         for b in range(len(roots)) if rows is None else rows:
             root = roots[b]
             n = int(num_tokens[b])
-            tail = ([t for t in self._emitted[b] if t >= 0] if b < len(self._emitted)
-                    and n == self._counted[b] else [])  # [] : already in token_ids
+            tail = self._recent.tail(b, n)  # [] : already in token_ids
             start = max(0, n + len(tail) - self.window)
             history = np.concatenate([token_ids[b, start:n], np.asarray(tail, np.int64)])
             if len(history) == 0 or history[-1] != root:
@@ -126,7 +121,7 @@ class CopySource:
             own = copy_continuations(history, MAX_NGRAM, MIN_NGRAM, self.length, self.branches)
             req_id = req_ids[b] if b < len(req_ids) else None
             out.append(own + self._others(req_id, history, own))
-        self._emitted = []
+        self._recent = SampledTail()
         return out, mismatches
 
     def _others(self, req_id: str | None, history: np.ndarray,

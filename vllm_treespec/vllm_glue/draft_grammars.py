@@ -9,8 +9,8 @@ request's grammar itself, with vLLM's own xgrammar backend and the compile call
 vLLM's scheduler makes (``versions.compile_request_grammar``): the same grammar,
 walked by the same library. Its matcher follows the request's output: at each
 drafting step it accepts the tokens emitted since the last, read from the
-runner's token table plus the step's sampled tokens not yet written there (as
-the copy branches read a request's history, ``copy_source``).
+runner's token table plus the step's sampled tokens not yet written there
+(``sampled_tail``, which the copy branches read too).
 
 Compiling runs in a background thread from the step the request arrives; until
 its grammar is ready (on every tensor-parallel rank: ranks must draft the same
@@ -28,10 +28,9 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from vllm_treespec.engine.draft_masks import DraftMasks
 from vllm_treespec.vllm_glue import rank_agreement
+from vllm_treespec.vllm_glue.sampled_tail import SampledTail
 
 logger = logging.getLogger("vllm.treespec")
 
@@ -52,8 +51,7 @@ class DraftGrammars:
         self.entries: dict[str, _Entry] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._backend: Any = None
-        self._emitted: list[list[int]] = []
-        self._counted = np.zeros(0, dtype=np.int64)
+        self._recent = SampledTail()
 
     @property
     def active(self) -> bool:
@@ -90,18 +88,15 @@ class DraftGrammars:
                                             thread_name_prefix="treespec-grammar")
         self.entries[req_id] = _Entry(self._pool.submit(self._compile, params))
 
-    def sampled(self, sampled_token_ids: Any, num_tokens: np.ndarray) -> None:
-        """The step's sampled tokens [B, width] (-1 padded), before vLLM's
-        bookkeeping writes them into the token table, and each row's count then."""
-        self._emitted = sampled_token_ids.tolist()
-        self._counted = np.array(num_tokens[:len(self._emitted)], dtype=np.int64)
+    def sampled(self, recent: SampledTail) -> None:
+        """The step's sampled tokens, before vLLM's bookkeeping writes them."""
+        self._recent = recent
 
     def _output(self, batch: Any, b: int) -> list[int]:
         """Batch row ``b``'s output so far, through this step's sampled tokens."""
         n = int(batch.num_tokens_no_spec[b])
-        tail = ([t for t in self._emitted[b] if t >= 0]
-                if b < len(self._emitted) and n == self._counted[b] else [])
-        return batch.token_ids_cpu[b, int(batch.num_prompt_tokens[b]):n].tolist() + tail
+        return (batch.token_ids_cpu[b, int(batch.num_prompt_tokens[b]):n].tolist()
+                + self._recent.tail(b, n))
 
     def _matcher(self, req_id: str, batch: Any, b: int, root: int):
         """The request's matcher, advanced through its root, or None."""

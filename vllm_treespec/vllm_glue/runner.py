@@ -38,6 +38,7 @@ from vllm_treespec.vllm_glue import (
 from vllm_treespec.vllm_glue.frame_stack import call_on_fresh_chunk
 from vllm_treespec.vllm_glue.host_heap import IdleHeapTrimmer
 from vllm_treespec.vllm_glue.proposer import TreeEagleProposer
+from vllm_treespec.vllm_glue.sampled_tail import SampledTail
 from vllm_treespec.vllm_glue.spec_config import tree_config_from_vllm
 from vllm_treespec.vllm_glue.seeded_draws import seat_position_generators
 from vllm_treespec.vllm_glue.tree_sampler import sample_with_trees, tree_safe
@@ -262,12 +263,15 @@ class TreeRunnerMixin(StepCostCalibration):
         # Emitted tokens of this step ([B, width], -1 padded) for the drafter's
         # bookkeeping and traces, before vLLM's own bookkeeping runs.
         self.last_sampled_token_ids = out.sampled_token_ids
-        copies = getattr(getattr(self, "drafter", None), "copies", None)
-        if copies is not None:  # each request's history, as of now
-            copies.sampled(out.sampled_token_ids, self.input_batch.num_tokens_no_spec)
-        grammars = getattr(getattr(self, "drafter", None), "grammars", None)
-        if grammars is not None and grammars.active:  # so do the drafter's grammars
-            grammars.sampled(out.sampled_token_ids, self.input_batch.num_tokens_no_spec)
+        drafter = getattr(self, "drafter", None)
+        copies = getattr(drafter, "copies", None)
+        grammars = getattr(drafter, "grammars", None)
+        readers = [r for r in (copies, grammars if grammars is not None and grammars.active
+                               else None) if r is not None]
+        if readers:  # each request's history, as of now (``sampled_tail``)
+            recent = SampledTail(out.sampled_token_ids, self.input_batch.num_tokens_no_spec)
+            for reader in readers:
+                reader.sampled(recent)
         return out
 
     def _bookkeeping_sync(self, *args, **kwargs):
