@@ -52,13 +52,19 @@ def test_fill_after_leaves_the_matcher_where_it_was(g):
 
 
 def grow(builder, masks, B, V, depth, seed):
-    """The proposer's drafting loop with random drafter scores."""
-    gen = torch.Generator().manual_seed(seed)
-    lp = torch.log_softmax(torch.randn(B, V, generator=gen), -1)
+    """The proposer's drafting loop with random drafter scores, each batch row's
+    drawn from its own generator (a row scores the same in any batch)."""
+    gens = [torch.Generator().manual_seed(seed + 1000 * b) for b in range(B)]
+
+    def scores(*shape):
+        return torch.log_softmax(torch.stack([torch.randn(*shape, V, generator=g)
+                                              for g in gens]), -1)
+
+    lp = scores()
     level = builder.first_level(masks.root(lp) if masks else lp)
     while not builder.done:
         F = level.tokens.shape[1]
-        lp = torch.log_softmax(torch.randn(B, F, V, generator=gen), -1)
+        lp = scores(F)
         if masks:
             lp = masks.level(builder, level.node_id[:, :F], lp)
         level = builder.next_level(lp)
@@ -84,6 +90,10 @@ def test_every_masked_draft_is_one_the_grammar_allows(g, seed):
     tokens, parents = drafted(trees, 0)
     walk = walk_tree(m, tokens, parents, g.V)
     assert len(tokens) == M and all(walk.valid), walk.valid
+    # A batch of the masked row alone (every row under a grammar) drafts the same tree.
+    alone = grow(DynamicTreeBuilder(1, k, depth, M), DraftMasks([m], g.V, None), 1, g.V,
+                 depth, seed)
+    assert drafted(alone, 0) == (tokens, parents)
     # Row 1 (no matcher) drafts what it drafts unmasked, bit for bit.
     plain = build(None)
     assert drafted(trees, 1) == drafted(plain, 1)

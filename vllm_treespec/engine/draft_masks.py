@@ -97,15 +97,15 @@ class DraftMasks:
             for f, path in enumerate(row_paths):
                 fill_after(self.matchers[b], path, masks, i * F + f)
         self.masked_nodes += len(self.rows) * F
-        if len(self.rows) == logprobs.shape[0]:  # every row under a grammar
-            return masked_logprobs(logprobs.reshape(len(self.rows) * F, -1), masks,
-                                   self.vocab_size, self.token_map
-                                   ).view(logprobs.shape).to(logprobs.dtype)
-        rows = torch.tensor(self.rows, device=logprobs.device)
+        every = len(self.rows) == logprobs.shape[0]  # no copy of the batch needed
+        rows = None if every else torch.tensor(self.rows, device=logprobs.device)
+        part = logprobs if every else logprobs[rows]
+        masked = masked_logprobs(part.reshape(len(self.rows) * F, -1), masks, self.vocab_size,
+                                 self.token_map).view(part.shape).to(logprobs.dtype)
+        if every:
+            return masked
         out = logprobs.clone()
-        out[rows] = masked_logprobs(logprobs[rows].reshape(len(self.rows) * F, -1), masks,
-                                    self.vocab_size, self.token_map
-                                    ).view(len(self.rows), F, -1).to(out.dtype)
+        out[rows] = masked
         return out
 
     def root(self, logprobs: torch.Tensor) -> torch.Tensor:
